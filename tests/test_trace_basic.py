@@ -1,0 +1,107 @@
+"""Core behaviour of tl.trace on a small model: rows, labels, parents, saving, selectors, cleanup."""
+
+import pytest
+import torch
+from torch import nn
+
+import tl_dist as tl
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        y = y + 1
+        y.relu_()
+        return self.fc(y.mean((2, 3)))
+
+
+@pytest.fixture
+def small():
+    return Small().eval(), torch.randn(2, 3, 8, 8)
+
+
+def test_rows_labels_and_parents(small):
+    model, x = small
+    with torch.no_grad():
+        trace = tl.trace(model, x)
+    funcs = [op.func for op in trace]
+    assert funcs[0] == "convolution"
+    assert trace["convolution_1"].module == "conv"
+    assert trace["convolution_1"].params == ("conv.weight", "conv.bias")
+    relu_inplace = trace["relu__1"]
+    add = trace["add_1"]
+    assert relu_inplace.parents == (add.index,)
+    assert add.index in trace["relu_1"].children
+    # 2x3x8x8 input, 8 out channels, 3x3x3 kernel: 2 * (2*8*8*8) * 27 = 55296
+    assert trace["convolution_1"].flops == 55296
+    assert trace["addmm_1"].flops == 2 * 2 * 8 * 4
+    assert torch.equal(trace.output, model(x))
+
+
+def test_saved_value_survives_inplace(small):
+    model, x = small
+    with torch.no_grad():
+        trace = tl.trace(model, x)
+        expected = torch.relu(model.bn(model.conv(x))) + 1
+    # add_1's output was later overwritten by relu_ in place; the saved value is the pre-relu_ one.
+    assert torch.equal(trace["add_1"].out, expected)
+    assert torch.equal(trace["relu__1"].out, expected.relu())
+
+
+def test_save_selector_and_metadata_only(small):
+    model, x = small
+    trace = tl.trace(model, x, save=tl.func("relu"))
+    saved = {trace[i].label for i in trace.saved}
+    assert saved == {"relu_1", "relu__1"}
+    assert trace["add_1"].out is None
+    meta = tl.trace(model, x, save=None)
+    assert not meta.saved and len(meta) == len(trace)
+
+
+def test_module_selector_saves_module_output(small):
+    model, x = small
+    trace = tl.trace(model, x, save=tl.module("bn"))
+    bn_call = trace.module("bn")
+    assert torch.equal(bn_call.out, model.bn(model.conv(x)))
+    assert [op.label for op in trace.select(tl.module("bn"))] == [trace[next(iter(trace.saved))].label]
+
+
+def test_nothing_left_installed_after_error(small):
+    model, x = small
+    from torch.nn.modules import module as nn_module
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            y = self.inner(x)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as err:
+        tl.trace(Boom(), x)
+    partial = err.value.tl_trace
+    assert len(partial) > 5 and partial[0].func == "convolution"
+    assert not _get_current_dispatch_mode_stack()
+    assert not nn_module._global_forward_hooks and not nn_module._global_forward_pre_hooks
+
+
+def test_bad_arguments_name_the_argument(small):
+    model, x = small
+    with pytest.raises(ValueError, match="save"):
+        tl.trace(model, x, save="relu")
+    with pytest.raises(ValueError, match="model"):
+        tl.trace(lambda t: t, x)
+    with pytest.raises(ValueError, match="kwargs"):
+        tl.trace(model, x, kwargs=[1])
+    trace = tl.trace(model, x)
+    with pytest.raises(KeyError, match="relu_1"):
+        trace["relu_9"]

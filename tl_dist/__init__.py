@@ -1,0 +1,39 @@
+"""tl_dist: record every op of a PyTorch job -- ATen ops, collectives, module boundaries -- as one graph.
+
+Example:
+    >>> import tl_dist as tl
+    >>> trace = tl.trace(model, x, save=tl.func("relu") | tl.in_module("classifier"))
+    >>> trace["relu_2"].out, trace.to_pandas(), trace.draw("graph.svg")
+"""
+
+from .capture import Capture, capture, trace
+from .errors import MergeError, SchemaError, ShardFormatError, TlDistError, ValidationError
+from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
+from .selectors import Selector, func, in_module, label, module, where
+from .trace import ModuleCall, Op, Trace
+
+__all__ = [
+    "Capture",
+    "Field",
+    "MODULE_CALL_FIELDS",
+    "MergeError",
+    "ModuleCall",
+    "OP_FIELDS",
+    "Op",
+    "SCHEMA_VERSION",
+    "SchemaError",
+    "Selector",
+    "ShardFormatError",
+    "TlDistError",
+    "Trace",
+    "ValidationError",
+    "capture",
+    "func",
+    "in_module",
+    "label",
+    "module",
+    "trace",
+    "where",
+]
+
+__version__ = "0.1.0"

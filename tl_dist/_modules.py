@@ -1,0 +1,145 @@
+"""Module-call tracking for a capture: global forward pre/post hooks, installed only while a capture is active.
+
+Each call of a module becomes a row of the module-call table (schema.MODULE_CALL_FIELDS); the recorder reads
+``current_call``, ``current_address`` and ``address_stack`` for every op.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.utils._pytree import tree_flatten
+
+from .schema import MODULE_CALL_FIELDS, empty_columns
+
+if TYPE_CHECKING:
+    from ._recorder import Recorder
+
+
+class ModuleTracker:
+    """Keeps the stack of module calls and their table; names modules from the roots it is given or finds."""
+
+    def __init__(self, recorder: Recorder, roots: list[tuple[str, torch.nn.Module]]) -> None:
+        self._recorder = recorder
+        self.names: dict[int, str] = {}
+        self.params: dict[int, str] = {}
+        self._modules: dict[int, weakref.ref] = {}
+        self.calls = empty_columns(MODULE_CALL_FIELDS)
+        self.out_trees: dict[int, Any] = {}  # call row -> (treespec, leaves) to rebuild the output structure
+        self._call_counts: dict[str, int] = {}
+        self._stack: list[tuple[int, int]] = []  # (id(module), call row)
+        self.current_call = -1
+        self.current_address = ""
+        self.address_stack: tuple[str, ...] = ()
+        self._root_names: set[str] = set()
+        for prefix, root in roots:
+            self._add_root(root, prefix)
+        self._handles: list[Any] = []
+
+    # -- naming -------------------------------------------------------------------------------------------
+    def _add_root(self, root: torch.nn.Module, prefix: str) -> None:
+        self._root_names.add(prefix)
+        dot = prefix + "." if prefix else ""
+        for name, mod in root.named_modules(remove_duplicate=False):
+            self.names.setdefault(id(mod), dot + name if name else prefix)
+            self._modules.setdefault(id(mod), weakref.ref(mod))
+        for name, p in root.named_parameters(remove_duplicate=False):
+            self.params.setdefault(id(p), dot + name)
+        for name, b in root.named_buffers(remove_duplicate=False):
+            self.params.setdefault(id(b), dot + name)
+
+    def _address(self, module: torch.nn.Module) -> str:
+        address = self.names.get(id(module))
+        if address is not None:
+            return address
+        if not self._stack:
+            # A new top-level module inside a capture window (the model, then a loss module, ...): the first one
+            # found is the root '', later ones are named by class so addresses stay unique.
+            prefix = "" if not self._root_names else type(module).__name__
+            n = 1
+            while prefix in self._root_names:
+                n += 1
+                prefix = f"{type(module).__name__}{n}"
+            self._add_root(module, prefix)
+            return self.names[id(module)]
+        # A module built on the fly inside another's forward: name it under its caller.
+        parent = self.current_address
+        address = f"{parent}.<{type(module).__name__}>" if parent else f"<{type(module).__name__}>"
+        self.names[id(module)] = address
+        return address
+
+    # -- hooks --------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(self._pre),
+            nn_module.register_module_forward_hook(self._post, always_call=True),
+        ]
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        address = self._address(module)
+        calls = self.calls
+        row = len(calls["address"])
+        n = self._call_counts.get(address, 0)
+        self._call_counts[address] = n + 1
+        calls["address"].append(address)
+        calls["type"].append(type(module).__name__)
+        calls["call"].append(n)
+        calls["parent"].append(self.current_call)
+        calls["depth"].append(len(self._stack))
+        first = self._recorder.n_ops
+        calls["first_op"].append(first)
+        calls["end_op"].append(first)
+        calls["out_ops"].append(())
+        calls["out_pos"].append(())
+        self._stack.append((id(module), row))
+        self._set_current()
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack
+        if not stack or all(mid != id(module) for mid, _ in stack):
+            return
+        while stack:
+            mid, row = stack.pop()
+            self.calls["end_op"][row] = self._recorder.n_ops
+            if mid == id(module):
+                break
+        self._set_current()
+        leaves, spec = tree_flatten(output)
+        out_ops, out_pos = self._recorder.module_output(self.calls["address"][row], leaves)
+        self.calls["out_ops"][row] = out_ops
+        self.calls["out_pos"][row] = out_pos
+        self.out_trees[row] = (spec, [None if i >= 0 else leaf for i, leaf in zip(out_ops, leaves)])
+
+    def _set_current(self) -> None:
+        if self._stack:
+            row = self._stack[-1][1]
+            self.current_call = row
+            self.current_address = self.calls["address"][row]
+            self.address_stack = tuple(self.calls["address"][r] for _, r in self._stack)
+        else:
+            self.current_call = -1
+            self.current_address = ""
+            self.address_stack = ()
+
+    def close(self) -> None:
+        """Ends calls still open (the forward raised) at the current op count."""
+        while self._stack:
+            _, row = self._stack.pop()
+            self.calls["end_op"][row] = self._recorder.n_ops
+        self._set_current()
+
+    def live_module(self, address: str) -> torch.nn.Module | None:
+        """The module object behind ``address`` if it is still alive."""
+        for mid, name in self.names.items():
+            if name == address:
+                ref = self._modules.get(mid)
+                return ref() if ref is not None else None
+        return None

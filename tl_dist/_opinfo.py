@@ -1,0 +1,69 @@
+"""Static facts about an operator overload, computed once per overload and cached (the hot path does one dict
+lookup per op)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+# Namespaces whose ops are communication, not compute. Collective recognition proper (normalised names,
+# group, sequence number) lives in tl_dist.collectives; this only tags the kind.
+COLLECTIVE_NAMESPACES = frozenset(
+    {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}
+)
+
+
+class OpInfo:
+    """What tl_dist needs to know about one operator overload, independent of its arguments."""
+
+    __slots__ = ("func", "aten", "namespace", "kind", "flop_fn", "mutated", "nondeterministic", "counter_key")
+
+    def __init__(self, op: Any) -> None:
+        packet = getattr(op, "overloadpacket", None)
+        self.aten = str(op)
+        self.namespace = getattr(op, "namespace", "")
+        self.func = packet.__name__ if packet is not None else getattr(op, "__name__", self.aten)
+        self.flop_fn = flop_registry.get(packet)
+        schema = getattr(op, "_schema", None)
+        # (position, name) of every argument the op writes into: relu_(self), add_(self), copy_(self), out=.
+        self.mutated: tuple[tuple[int, str], ...] = ()
+        if schema is not None:
+            self.mutated = tuple(
+                (i, a.name)
+                for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        tags = getattr(op, "tags", ())
+        self.nondeterministic = torch.Tag.nondeterministic_seeded in tags
+        if self.namespace in COLLECTIVE_NAMESPACES:
+            self.kind = "collective"
+        elif getattr(op, "is_view", False):
+            self.kind = "view"
+        else:
+            self.kind = "compute"
+        self.counter_key = self.func
+
+
+_CACHE: dict[Any, OpInfo] = {}
+
+
+def op_info(op: Any) -> OpInfo:
+    """The cached :class:`OpInfo` of ``op``."""
+    info = _CACHE.get(op)
+    if info is None:
+        info = _CACHE[op] = OpInfo(op)
+    return info
+
+
+def mutated_tensors(info: OpInfo, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``args``/``kwargs`` hand to ``info``'s op in argument slots it writes into."""
+    found: list[torch.Tensor] = []
+    for pos, name in info.mutated:
+        value = args[pos] if pos < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found

@@ -1,0 +1,353 @@
+"""The per-op hot path of a capture: turns each dispatched op into one row of the trace table.
+
+Cost matters here more than anywhere: every ATen op of the user's model passes through :meth:`Recorder.on_op`.
+Rows are tuples in ``schema.OP_FIELDS`` order (one append per op), transposed into columns once at the end.
+Tensors are identified by a tag attribute ``_tl_src = (capture token, op index, output position)`` set on each
+output, so identity survives ``id()`` reuse and in-place ops simply re-tag their output.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ._modules import ModuleTracker
+from ._opinfo import _CACHE as _OPINFO_CACHE
+from ._opinfo import mutated_tensors, op_info
+from .schema import OP_FIELDS, field_names
+
+Tensor = torch.Tensor
+_perf_ns = time.perf_counter_ns
+_TAG = "_tl_src"
+_SLOT = object()  # stands for a tensor argument in a saved op's replay skeleton
+
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+_OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
+_FIELD_INDEX = {name: i for i, name in enumerate(field_names(OP_FIELDS))}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
+class RowView:
+    """Attribute access to a row under construction, for selectors evaluated while capturing."""
+
+    __slots__ = ("_row", "output_of")
+
+    def __init__(self, row: tuple, output_of: tuple[str, ...] = ()) -> None:
+        self._row = row
+        self.output_of = output_of
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._row[_FIELD_INDEX[name]]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        shapes = self.out_shapes
+        return tuple(shapes[0]) if shapes else None
+
+
+class SourceLocator:
+    """Finds file:line of the first frame outside torch and tl_dist, caching per file and per line."""
+
+    def __init__(self) -> None:
+        self._internal: dict[str, bool] = {}
+        self._names: dict[tuple[str, int], str] = {}
+
+    def __call__(self) -> str:
+        frame = sys._getframe(2)
+        internal = self._internal
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            skip = internal.get(filename)
+            if skip is None:
+                skip = internal[filename] = filename.startswith(
+                    (_TORCH_DIR, _OWN_DIR)
+                ) or filename.startswith("<")
+            if not skip:
+                key = (filename, frame.f_lineno)
+                name = self._names.get(key)
+                if name is None:
+                    name = self._names[key] = f"{filename}:{frame.f_lineno}"
+                return name
+            frame = frame.f_back
+        return ""
+
+
+class Recorder:
+    """Owns the rows, saved tensors and module tracker of one capture."""
+
+    def __init__(
+        self,
+        *,
+        save: Any,
+        keep_graph: bool,
+        source: bool,
+        roots: list[tuple[str, torch.nn.Module]],
+    ) -> None:
+        self.rows: list[tuple] = []
+        self.n_ops = 0
+        self.token = object()
+        self.phase = "forward"
+        self.save_all = save is True
+        self.save_selector = None if save is True or save is None else save
+        self.keep_graph = keep_graph
+        self.saved: dict[int, list[Tensor | None]] = {}
+        self.replay: dict[int, tuple[Any, tuple, dict, list, list]] = {}
+        self.output_of: dict[int, list[str]] = {}
+        self._storage_refs: dict[int, list[tuple[int, int, int]]] = {}
+        self._label_counts: dict[str, int] = {}
+        self._source = SourceLocator() if source else None
+        self.modules = ModuleTracker(self, roots)
+        self.params = self.modules.params
+        self.cuda_events: list[tuple[int, Any, Any]] = []
+        self.failed_op: dict[str, Any] | None = None
+        self.clock_offset_ns = time.time_ns() - _perf_ns()
+
+    # -- the hot path -------------------------------------------------------------------------------------
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        info = _OPINFO_CACHE.get(func) or op_info(func)
+        tensors: list[Tensor] = []
+        for a in args:
+            if isinstance(a, Tensor):
+                tensors.append(a)
+            elif type(a) is list or type(a) is tuple:
+                tensors.extend(b for b in a if isinstance(b, Tensor))
+        if kwargs:
+            for a in kwargs.values():
+                if isinstance(a, Tensor):
+                    tensors.append(a)
+                elif type(a) is list or type(a) is tuple:
+                    tensors.extend(b for b in a if isinstance(b, Tensor))
+
+        token = self.token
+        params = self.params
+        srcs: list[tuple[int, int] | None] = []
+        parents: dict[int, None] = {}
+        param_names: list[str] = []
+        for t in tensors:
+            tag = getattr(t, _TAG, None)
+            if tag is not None and tag[0] is token:
+                srcs.append((tag[1], tag[2]))
+                parents[tag[1]] = None
+            else:
+                srcs.append(None)
+                name = params.get(id(t))
+                if name is not None:
+                    param_names.append(name)
+
+        inplace = bool(info.mutated)
+        if inplace and self._storage_refs:
+            self._copy_before_write(mutated_tensors(info, args, kwargs))
+
+        index = self.n_ops
+        cuda = tensors and tensors[0].is_cuda
+        if cuda:
+            start_event = torch.cuda.Event(enable_timing=True)
+            end_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        t0 = _perf_ns()
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self._record_failure(info, exc)
+            raise
+        t1 = _perf_ns()
+        if cuda:
+            end_event.record()
+            self.cuda_events.append((index, start_event, end_event))
+
+        if isinstance(out, Tensor):
+            outs: list[Tensor] = [out]
+        elif type(out) is tuple or type(out) is list:
+            outs = []
+            for o in out:
+                if isinstance(o, Tensor):
+                    outs.append(o)
+                elif type(o) is list or type(o) is tuple:
+                    outs.extend(p for p in o if isinstance(p, Tensor))
+        else:
+            outs = []
+
+        n = self._label_counts.get(info.func, 0) + 1
+        self._label_counts[info.func] = n
+        if outs:
+            first = outs[0]
+            dtype = _dtype_name(first.dtype)
+            device = _device_name(first.device)
+            out_bytes = 0
+            for pos, o in enumerate(outs):
+                out_bytes += o.nelement() * o.element_size()
+                setattr(o, _TAG, (token, index, pos))
+            kind = info.kind if tensors or info.kind == "collective" else "factory"
+        else:
+            dtype = device = ""
+            out_bytes = 0
+            kind = info.kind if info.kind == "collective" else "other"
+        flops = 0
+        if info.flop_fn is not None:
+            flops = int(info.flop_fn(*args, **kwargs, out_val=out))
+        modules = self.modules
+        row = (
+            index,
+            f"{info.func}_{n}",
+            info.func,
+            info.aten,
+            kind,
+            self.phase,
+            modules.current_address,
+            modules.address_stack,
+            modules.current_call,
+            tuple(o.shape for o in outs),
+            dtype,
+            device,
+            out_bytes,
+            tuple(t.shape for t in tensors),
+            tuple(parents),
+            inplace,
+            flops,
+            t0,
+            t1 - t0,
+            self._source() if self._source is not None else "",
+            tuple(param_names),
+        )
+        self.rows.append(row)
+        self.n_ops = index + 1
+
+        if outs and (
+            self.save_all or (self.save_selector is not None and self.save_selector.match(RowView(row)))
+        ):
+            self._save(index, outs, func, args, kwargs, tensors, srcs)
+        return out
+
+    # -- saving -------------------------------------------------------------------------------------------
+    def _save(
+        self, index: int, outs: list, func: Any, args: tuple, kwargs: dict, tensors: list, srcs: list
+    ) -> None:
+        keep = self.keep_graph
+        saved = [o if keep else o.detach() for o in outs]
+        self.saved[index] = saved
+        for pos, o in enumerate(outs):
+            self._watch(o, (index, 0, pos))
+        # Replay skeleton: tensors replaced by a slot; untracked tensors (parameters, inputs) kept detached and
+        # watched so that a later in-place write (an optimizer step) cannot change what the replay reads.
+        consts: list[Tensor | None] = []
+        for k, (t, src) in enumerate(zip(tensors, srcs)):
+            if src is None:
+                consts.append(t if keep else t.detach())
+                self._watch(t, (index, 1, k))
+            else:
+                consts.append(None)
+        skeleton_args = tuple(_skeleton(a) for a in args)
+        skeleton_kwargs = {k: _skeleton(v) for k, v in kwargs.items()} if kwargs else {}
+        self.replay[index] = (func, skeleton_args, skeleton_kwargs, srcs, consts)
+
+    def _watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            self._storage_refs.setdefault(storage.data_ptr(), []).append(entry)
+
+    def _copy_before_write(self, written: list[Tensor]) -> None:
+        """Copy saved tensors that share memory with tensors an in-place op is about to overwrite."""
+        for t in written:
+            entries = self._storage_refs.pop(t.untyped_storage().data_ptr(), None)
+            for index, what, pos in entries or ():
+                if what == 0:
+                    saved = self.saved[index]
+                    saved[pos] = saved[pos].clone()
+                else:
+                    consts = self.replay[index][4]
+                    consts[pos] = consts[pos].clone()
+
+    def module_output(self, address: str, leaves: list) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Called when a module call returns: which ops produced its output leaves; saves them if selected."""
+        token = self.token
+        ops: list[int] = []
+        poss: list[int] = []
+        for leaf in leaves:
+            tag = getattr(leaf, _TAG, None) if isinstance(leaf, Tensor) else None
+            if tag is None or tag[0] is not token:
+                ops.append(-1)
+                poss.append(-1)
+                continue
+            index, pos = tag[1], tag[2]
+            ops.append(index)
+            poss.append(pos)
+            self.output_of.setdefault(index, []).append(address)
+            selector = self.save_selector
+            if selector is not None and index not in self.saved:
+                view = RowView(self.rows[index], tuple(self.output_of[index]))
+                if selector.match(view):
+                    # The leaf still holds the op's value: a later in-place op would have re-tagged it.
+                    n_out = len(self.rows[index][_FIELD_INDEX["out_shapes"]])
+                    saved: list[Tensor | None] = [None] * n_out
+                    saved[pos] = leaf if self.keep_graph else leaf.detach()
+                    self.saved[index] = saved
+                    self._watch(leaf, (index, 0, pos))
+        return tuple(ops), tuple(poss)
+
+    def _record_failure(self, info: Any, exc: BaseException) -> None:
+        modules = self.modules
+        self.failed_op = {
+            "index": self.n_ops,
+            "func": info.func,
+            "aten": info.aten,
+            "module": modules.current_address,
+            "source": self._source() if self._source is not None else "",
+            "error": f"{type(exc).__name__}: {exc}",
+        }
+
+    # -- end of capture -----------------------------------------------------------------------------------
+    def columns(self) -> dict[str, list]:
+        """The rows as columns (schema order), start times moved to the epoch clock, CUDA times resolved."""
+        names = field_names(OP_FIELDS)
+        if self.rows:
+            assert len(self.rows[0]) == len(names), "recorder row layout out of step with schema.OP_FIELDS"
+            columns = {name: list(col) for name, col in zip(names, zip(*self.rows))}
+        else:
+            columns = {name: [] for name in names}
+        offset = self.clock_offset_ns
+        columns["start_ns"] = [t + offset for t in columns["start_ns"]]
+        if self.cuda_events:
+            torch.cuda.synchronize()
+            durations = columns["duration_ns"]
+            for index, start, end in self.cuda_events:
+                durations[index] = int(start.elapsed_time(end) * 1e6)
+        return columns
+
+
+def _skeleton(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _SLOT
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_SLOT if isinstance(v, Tensor) else v for v in value)
+    return value
+
+
+def fill_skeleton(value: Any, tensors: list, cursor: list[int]) -> Any:
+    """Inverse of the replay skeleton: put ``tensors`` back into the slots, in order."""
+    if value is _SLOT:
+        cursor[0] += 1
+        return tensors[cursor[0] - 1]
+    if type(value) is list or type(value) is tuple:
+        return type(value)(fill_skeleton(v, tensors, cursor) for v in value)
+    return value

@@ -1,0 +1,23 @@
+"""Error types of tl_dist. Every error the library raises on purpose derives from :class:`TlDistError`."""
+
+from __future__ import annotations
+
+
+class TlDistError(Exception):
+    """Base class of tl_dist's own errors."""
+
+
+class SchemaError(TlDistError):
+    """A table does not match the schema this version of tl_dist reads and writes."""
+
+
+class ShardFormatError(TlDistError):
+    """A shard file is corrupt, truncated, not HDF5, or written by a newer schema. The message names the file."""
+
+
+class MergeError(TlDistError):
+    """Shards cannot be merged (missing or unreadable shard with ``strict=True``, mixed runs, ...)."""
+
+
+class ValidationError(TlDistError):
+    """``Trace.validate(raise_on_mismatch=True)`` found ops whose replay does not reproduce the saved output."""

@@ -1,0 +1,131 @@
+"""The one list of per-op fields. It drives the in-memory trace table, ``to_pandas``, the HDF5 shard layout and
+the field reference in ``docs/``; nothing else spells the field list out again.
+
+Kinds (how a value is held in memory -> how the store encodes it):
+
+- ``int``    Python int                      -> int64 dataset
+- ``float``  Python float                    -> float64 dataset
+- ``bool``   Python bool                     -> bool dataset
+- ``str``    Python str                      -> categorical (codes + categories)
+- ``ints``   tuple of int (a shape, parents) -> ragged (values + offsets)
+- ``strs``   tuple of str                    -> ragged strings
+- ``shapes`` tuple of tuple of int           -> ragged of ragged
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+KINDS = ("int", "float", "bool", "str", "ints", "strs", "shapes")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One column of a table: its name, its kind (see module doc) and what it means."""
+
+    name: str
+    kind: str
+    doc: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Field {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+
+
+OP_FIELDS: tuple[Field, ...] = (
+    Field("index", "int", "Position of the op in execution order, from 0."),
+    Field("label", "str", "Unique name `{func}_{n}`; n counts calls of that func from 1 (`relu_2`)."),
+    Field("func", "str", "Short op name: `relu`, `relu_`, `convolution`; normalised names for collectives."),
+    Field(
+        "aten", "str", "Full operator overload name, e.g. `aten.relu_.default`, `c10d.allreduce_.default`."
+    ),
+    Field(
+        "kind",
+        "str",
+        "`compute`, `view`, `factory` (no tensor inputs), `collective` or `other` (no tensor out).",
+    ),
+    Field(
+        "phase", "str", "`forward`, `backward` (run by the autograd engine) or `optimizer` (inside step())."
+    ),
+    Field(
+        "module", "str", "Address of the innermost module whose forward issued the op; '' outside any module."
+    ),
+    Field("module_stack", "strs", "Addresses of the enclosing module calls, outermost first."),
+    Field(
+        "module_call",
+        "int",
+        "Row in the trace's module-call table of the innermost call; -1 outside modules.",
+    ),
+    Field("out_shapes", "shapes", "Shape of each tensor the op returned."),
+    Field("dtype", "str", "dtype of the first tensor output ('' when none)."),
+    Field("device", "str", "Device of the first tensor output ('' when none)."),
+    Field("out_bytes", "int", "Bytes of all tensor outputs together."),
+    Field("in_shapes", "shapes", "Shape of each tensor argument, in argument order."),
+    Field("parents", "ints", "Indices of the ops whose outputs this op read (data dependencies)."),
+    Field("inplace", "bool", "The op writes into one of its arguments (`relu_`, `add_`, `copy_`, out=)."),
+    Field(
+        "flops", "int", "Floating-point operations from torch.utils.flop_counter's registry; 0 where none."
+    ),
+    Field("start_ns", "int", "Start time, nanoseconds since the Unix epoch (host clock)."),
+    Field("duration_ns", "int", "Duration in ns: host clock on CPU, CUDA events when the op ran on a GPU."),
+    Field("source", "str", "file:line of the user code that issued the op ('' when not recorded)."),
+    Field("params", "strs", "Names of the parameters and buffers the op read."),
+)
+
+MODULE_CALL_FIELDS: tuple[Field, ...] = (
+    Field("address", "str", "Module address as in named_modules() ('' for the root)."),
+    Field("type", "str", "Class name of the module."),
+    Field(
+        "call", "int", "Which call of this module this is, from 0 (a module called twice has calls 0 and 1)."
+    ),
+    Field("parent", "int", "Row of the enclosing module call; -1 at top level."),
+    Field("depth", "int", "Nesting depth; the outermost call has depth 0."),
+    Field("first_op", "int", "Index of the first op inside the call (== end_op when it ran no op)."),
+    Field("end_op", "int", "One past the index of the last op inside the call."),
+    Field(
+        "out_ops", "ints", "For each leaf of the call's output: the op that produced it (-1: not an op's)."
+    ),
+    Field("out_pos", "ints", "For each leaf of the call's output: which of that op's outputs it is."),
+)
+
+# One row per collective op (the op itself is also a row of the op table, at `op`). Filled by
+# tl_dist.collectives; stored in shards beside the op table; merge matches rows across ranks on
+# (group_ranks, seq).
+COLLECTIVE_FIELDS: tuple[Field, ...] = (
+    Field("op", "int", "Index of the collective's row in the op table."),
+    Field(
+        "func", "str", "Normalised collective: all_reduce, all_gather, reduce_scatter, broadcast, send, ..."
+    ),
+    Field("group_ranks", "ints", "Global ranks of the process group's members, in group-rank order."),
+    Field("group_name", "str", "The process group's name (c10d group name)."),
+    Field("group_desc", "str", "The process group's description ('default_pg', user-given desc, ...)."),
+    Field(
+        "seq",
+        "int",
+        "The group's c10d sequence number for this collective (same on every member); -1 if unknown.",
+    ),
+    Field("reduce_op", "str", "Reduce operation (sum, avg, max, ...) or '' where none applies."),
+    Field("root", "int", "Global rank of the root (broadcast, reduce, gather, scatter); -1 where none."),
+    Field("peer", "int", "Global rank of the peer of a send/recv; -1 otherwise."),
+    Field("in_numel", "int", "Elements in the input tensors together."),
+    Field("out_numel", "int", "Elements in the output tensors together."),
+    Field("dtype", "str", "dtype of the data tensors."),
+    Field("bytes", "int", "Bytes this rank contributes (input tensors)."),
+    Field("is_async", "bool", "Issued with async_op=True (or a functional collective awaited later)."),
+    Field("issue_ns", "int", "When the collective was issued, ns since the Unix epoch."),
+    Field("complete_ns", "int", "When it was observed complete, ns since the Unix epoch; -1 if never."),
+    Field("state", "str", "`issued` (never seen complete: in flight at a crash or hang) or `completed`."),
+    Field("bucket", "int", "DDP gradient bucket index for DDP's bucket all-reduce; -1 otherwise."),
+)
+
+
+def field_names(fields: tuple[Field, ...]) -> tuple[str, ...]:
+    """Names of ``fields`` in order."""
+    return tuple(f.name for f in fields)
+
+
+def empty_columns(fields: tuple[Field, ...]) -> dict[str, list]:
+    """A fresh dict of empty lists, one per field, in schema order."""
+    return {f.name: [] for f in fields}

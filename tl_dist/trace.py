@@ -1,0 +1,258 @@
+"""The trace: a columnar table of the ops one capture recorded, with thin views over its rows.
+
+Example:
+    >>> trace = tl.trace(model, x)
+    >>> len(trace), trace["relu_2"].out.shape, trace[0].flops
+    >>> trace.module("layer1.0.conv1").out
+    >>> df = trace.to_pandas()
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from .schema import COLLECTIVE_FIELDS, OP_FIELDS, empty_columns, field_names
+from .selectors import Selector
+
+_OP_FIELD_NAMES = frozenset(field_names(OP_FIELDS))
+
+
+class Op:
+    """One op of a trace: a view over row ``index``. Attributes are the schema's fields (``.label``, ``.func``,
+    ``.module``, ``.flops``, ``.duration_ns``, ``.parents``, ...) plus ``.shape``, ``.out``, ``.children``."""
+
+    __slots__ = ("_trace", "index")
+
+    def __init__(self, trace: Trace, index: int) -> None:
+        self._trace = trace
+        self.index = index
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _OP_FIELD_NAMES:
+            return self._trace.columns[name][self.index]
+        raise AttributeError(f"Op has no attribute {name!r}; fields: {', '.join(sorted(_OP_FIELD_NAMES))}")
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        """Shape of the first tensor output (None when the op returned no tensor)."""
+        shapes = self.out_shapes
+        return tuple(shapes[0]) if shapes else None
+
+    @property
+    def out(self) -> torch.Tensor | tuple | None:
+        """The saved output (a tuple for multi-output ops); None if not saved."""
+        saved = self._trace.saved.get(self.index)
+        if saved is None:
+            return None
+        return saved[0] if len(saved) == 1 else tuple(saved)
+
+    @property
+    def children(self) -> tuple[int, ...]:
+        """Indices of the ops that read this op's output."""
+        return self._trace.children[self.index]
+
+    @property
+    def output_of(self) -> tuple[str, ...]:
+        """Addresses of the module calls whose output this op produced."""
+        return self._trace.output_of.get(self.index, ())
+
+    def __repr__(self) -> str:
+        shape = "x".join(map(str, self.shape)) if self.shape else "-"
+        where = f" in {self.module}" if self.module else ""
+        return f"<Op {self.index} {self.label} {shape} {self.dtype}{where}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Op) and other._trace is self._trace and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash((id(self._trace), self.index))
+
+
+class ModuleCall:
+    """One call of a module: ``.address .type .call .ops .out`` (its output rebuilt from saved op outputs)."""
+
+    __slots__ = ("_trace", "row")
+
+    def __init__(self, trace: Trace, row: int) -> None:
+        self._trace = trace
+        self.row = row
+
+    def _get(self, name: str) -> Any:
+        return self._trace.module_table[name][self.row]
+
+    address = property(lambda self: self._get("address"), doc="Module address ('' for the root).")
+    type = property(lambda self: self._get("type"), doc="Module class name.")
+    call = property(lambda self: self._get("call"), doc="Which call of the module this is, from 0.")
+    depth = property(lambda self: self._get("depth"), doc="Nesting depth, 0 for outermost calls.")
+
+    @property
+    def parent(self) -> ModuleCall | None:
+        row = self._get("parent")
+        return None if row < 0 else ModuleCall(self._trace, row)
+
+    @property
+    def ops(self) -> list[Op]:
+        """The ops run inside this call, its submodules' included, in execution order."""
+        return [Op(self._trace, i) for i in range(self._get("first_op"), self._get("end_op"))]
+
+    @property
+    def out(self) -> Any:
+        """The call's output, with the structure the module returned; tensors not saved are None."""
+        tree = self._trace.out_trees.get(self.row)
+        if tree is None:
+            return None
+        spec, leaves = tree
+        saved = self._trace.saved
+        values = []
+        for leaf, op, pos in zip(leaves, self._get("out_ops"), self._get("out_pos")):
+            if op < 0:
+                values.append(leaf)
+            else:
+                outs = saved.get(op)
+                values.append(outs[pos] if outs is not None else None)
+        return tree_unflatten(values, spec)
+
+    def __repr__(self) -> str:
+        return f"<ModuleCall {self.address or '<root>'} ({self.type}) call {self.call}>"
+
+
+class Trace:
+    """The ops of one capture, in execution order. Built by ``tl.trace``, ``tl.capture`` or ``tl.load``."""
+
+    def __init__(
+        self,
+        columns: dict[str, list],
+        module_table: dict[str, list],
+        *,
+        collective_table: dict[str, list] | None = None,
+        saved: dict[int, list] | None = None,
+        replay: dict[int, tuple] | None = None,
+        output_of: dict[int, tuple[str, ...]] | None = None,
+        out_trees: dict[int, Any] | None = None,
+        output: Any = None,
+        metadata: dict[str, Any] | None = None,
+        failed_op: dict[str, Any] | None = None,
+    ) -> None:
+        missing = [n for n in field_names(OP_FIELDS) if n not in columns]
+        if missing:
+            raise ValueError(f"columns lacks schema fields {missing}")
+        self.columns = columns
+        self.module_table = module_table
+        self.collective_table = collective_table or empty_columns(COLLECTIVE_FIELDS)
+        self.saved = saved or {}
+        self.replay = replay or {}
+        self.output_of = output_of or {}
+        self.out_trees = out_trees or {}
+        self.output = output
+        self.metadata = metadata or {}
+        self.failed_op = failed_op
+        self._labels: dict[str, int] | None = None
+        self._children: list[tuple[int, ...]] | None = None
+
+    # -- container protocol --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.columns["index"])
+
+    def __iter__(self) -> Iterator[Op]:
+        return (Op(self, i) for i in range(len(self)))
+
+    def __getitem__(self, key: int | str) -> Op:
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise TypeError(f"trace[...] takes an op index (int) or label (str), got {type(key).__name__}")
+        if isinstance(key, str):
+            index = self.labels.get(key)
+            if index is None:
+                close = difflib.get_close_matches(key, list(self.labels), n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise KeyError(f"no op labelled {key!r} in this trace of {len(self)} ops{hint}")
+            return Op(self, index)
+        n = len(self)
+        if not -n <= key < n:
+            raise IndexError(f"op index {key} out of range for a trace of {n} ops")
+        return Op(self, key % n)
+
+    def __repr__(self) -> str:
+        return f"<Trace {len(self)} ops, {len(self.module_table['address'])} module calls, {len(self.saved)} saved>"
+
+    @property
+    def labels(self) -> dict[str, int]:
+        """Label -> op index."""
+        if self._labels is None:
+            self._labels = {label: i for i, label in enumerate(self.columns["label"])}
+        return self._labels
+
+    @property
+    def children(self) -> list[tuple[int, ...]]:
+        """For each op, the indices of the ops that read its output."""
+        if self._children is None:
+            kids: list[list[int]] = [[] for _ in range(len(self))]
+            for i, parents in enumerate(self.columns["parents"]):
+                for p in parents:
+                    kids[p].append(i)
+            self._children = [tuple(k) for k in kids]
+        return self._children
+
+    # -- modules -------------------------------------------------------------------------------------------
+    def module_calls(self, address: str | None = None) -> list[ModuleCall]:
+        """All calls of the module at ``address`` in call order (all module calls when ``address`` is None)."""
+        table = self.module_table["address"]
+        return [ModuleCall(self, r) for r, a in enumerate(table) if address is None or a == address]
+
+    def module(self, address: str) -> ModuleCall:
+        """The first call of the module at ``address``.
+
+        Example:
+            >>> trace.module("layer1.0.conv1").out.shape
+        """
+        calls = self.module_calls(address)
+        if not calls:
+            known = sorted(set(self.module_table["address"]))
+            close = difflib.get_close_matches(address, known, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise KeyError(f"module {address!r} was not called in this trace{hint}")
+        return calls[0]
+
+    # -- queries and views -----------------------------------------------------------------------------------
+    def select(self, selector: Selector) -> list[Op]:
+        """The ops ``selector`` matches, in execution order.
+
+        Example:
+            >>> trace.select(tl.func("relu") & tl.in_module("layer1"))
+        """
+        if not isinstance(selector, Selector):
+            raise TypeError(f"select() expects a selector such as tl.func('relu'), got {selector!r}")
+        return [op for op in self if selector.match(op)]
+
+    def to_pandas(self) -> Any:
+        """One row per op, one column per schema field (``schema.OP_FIELDS``).
+
+        Example:
+            >>> trace.to_pandas().groupby("module").duration_ns.sum()
+        """
+        from .views.table import to_pandas
+
+        return to_pandas(self)
+
+    def summary(self, top: int = 10) -> str:
+        """A readable table: time and FLOPs per module, and the ``top`` most expensive ops."""
+        from .views.summary import summary
+
+        return summary(self, top=top)
+
+    def draw(self, path: str, *, format: str = "svg", depth: int | None = None) -> str:
+        """Render the op graph with graphviz, ops grouped in module clusters; modules deeper than ``depth``
+        collapse into one node. Returns the written file's path."""
+        from .views.draw import draw
+
+        return draw(self, path, format=format, depth=depth)
+
+    def validate(self, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5) -> Any:
+        """Re-execute every saved op from its parents' saved outputs and check it reproduces its saved output."""
+        from .validate import validate
+
+        return validate(self, raise_on_mismatch=raise_on_mismatch, atol=atol, rtol=rtol)

@@ -1,0 +1,1 @@
+"""Read-only views of a trace: tables, summaries, drawings."""
