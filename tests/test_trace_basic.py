@@ -83,7 +83,7 @@ def test_nothing_left_installed_after_error(small):
             self.inner = model
 
         def forward(self, x):
-            y = self.inner(x)
+            self.inner(x)
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom") as err:
