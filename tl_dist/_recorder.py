@@ -22,7 +22,6 @@ from .schema import OP_FIELDS, field_names
 Tensor = torch.Tensor
 _perf_ns = time.perf_counter_ns
 _TAG = "_tl_src"
-_SLOT = object()  # stands for a tensor argument in a saved op's replay skeleton
 
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 _OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
@@ -70,24 +69,25 @@ class SourceLocator:
     """Finds file:line of the first frame outside torch and tl_dist, caching per file and per line."""
 
     def __init__(self) -> None:
-        self._internal: dict[str, bool] = {}
-        self._names: dict[tuple[str, int], str] = {}
+        self._internal: dict[Any, bool] = {}  # code object -> belongs to torch / tl_dist
+        self._names: dict[tuple[Any, int], str] = {}  # (code, bytecode offset) -> "file:line"
 
     def __call__(self) -> str:
         frame = sys._getframe(2)
         internal = self._internal
         while frame is not None:
-            filename = frame.f_code.co_filename
-            skip = internal.get(filename)
+            code = frame.f_code
+            skip = internal.get(code)
             if skip is None:
-                skip = internal[filename] = filename.startswith(
-                    (_TORCH_DIR, _OWN_DIR)
-                ) or filename.startswith("<")
+                filename = code.co_filename
+                skip = internal[code] = filename.startswith((_TORCH_DIR, _OWN_DIR)) or filename.startswith(
+                    "<"
+                )
             if not skip:
-                key = (filename, frame.f_lineno)
+                key = (code, frame.f_lasti)
                 name = self._names.get(key)
                 if name is None:
-                    name = self._names[key] = f"{filename}:{frame.f_lineno}"
+                    name = self._names[key] = f"{code.co_filename}:{frame.f_lineno}"
                 return name
             frame = frame.f_back
         return ""
@@ -131,13 +131,13 @@ class Recorder:
             if isinstance(a, Tensor):
                 tensors.append(a)
             elif type(a) is list or type(a) is tuple:
-                tensors.extend(b for b in a if isinstance(b, Tensor))
+                tensors += [b for b in a if isinstance(b, Tensor)]
         if kwargs:
             for a in kwargs.values():
                 if isinstance(a, Tensor):
                     tensors.append(a)
                 elif type(a) is list or type(a) is tuple:
-                    tensors.extend(b for b in a if isinstance(b, Tensor))
+                    tensors += [b for b in a if isinstance(b, Tensor)]
 
         token = self.token
         params = self.params
@@ -184,7 +184,7 @@ class Recorder:
                 if isinstance(o, Tensor):
                     outs.append(o)
                 elif type(o) is list or type(o) is tuple:
-                    outs.extend(p for p in o if isinstance(p, Tensor))
+                    outs += [p for p in o if isinstance(p, Tensor)]
         else:
             outs = []
 
@@ -192,16 +192,23 @@ class Recorder:
         self._label_counts[info.func] = n
         if outs:
             first = outs[0]
-            dtype = _dtype_name(first.dtype)
-            device = _device_name(first.device)
-            out_bytes = 0
-            for pos, o in enumerate(outs):
-                out_bytes += o.nelement() * o.element_size()
-                setattr(o, _TAG, (token, index, pos))
+            dtype = _DTYPE_NAMES.get(first.dtype) or _dtype_name(first.dtype)
+            device = _DEVICE_NAMES.get(first.device) or _device_name(first.device)
+            if len(outs) == 1:
+                out_shapes = (first.shape,)
+                out_bytes = first.nelement() * first.element_size()
+                setattr(first, _TAG, (token, index, 0))
+            else:
+                out_shapes = tuple([o.shape for o in outs])
+                out_bytes = 0
+                for pos, o in enumerate(outs):
+                    out_bytes += o.nelement() * o.element_size()
+                    setattr(o, _TAG, (token, index, pos))
             kind = info.kind if tensors or info.kind == "collective" else "factory"
         else:
             dtype = device = ""
             out_bytes = 0
+            out_shapes = ()
             kind = info.kind if info.kind == "collective" else "other"
         flops = 0
         if info.flop_fn is not None:
@@ -217,11 +224,11 @@ class Recorder:
             modules.current_address,
             modules.address_stack,
             modules.current_call,
-            tuple(o.shape for o in outs),
+            out_shapes,
             dtype,
             device,
             out_bytes,
-            tuple(t.shape for t in tensors),
+            tuple([t.shape for t in tensors]),
             tuple(parents),
             inplace,
             flops,
@@ -244,22 +251,25 @@ class Recorder:
         self, index: int, outs: list, func: Any, args: tuple, kwargs: dict, tensors: list, srcs: list
     ) -> None:
         keep = self.keep_graph
-        saved = [o if keep else o.detach() for o in outs]
-        self.saved[index] = saved
+        watch = self._storage_refs.setdefault
+        self.saved[index] = [o if keep else o.detach() for o in outs]
         for pos, o in enumerate(outs):
-            self._watch(o, (index, 0, pos))
-        # Replay skeleton: tensors replaced by a slot; untracked tensors (parameters, inputs) kept detached and
-        # watched so that a later in-place write (an optimizer step) cannot change what the replay reads.
-        consts: list[Tensor | None] = []
-        for k, (t, src) in enumerate(zip(tensors, srcs)):
+            storage = o.untyped_storage()
+            if storage.nbytes():
+                watch(storage.data_ptr(), []).append((index, 0, pos))
+        # Replay info. The argument structure is kept as the dispatcher passed it (the tensors in it act as
+        # slots, see fill_skeleton): building a copy per op would cost more than the op on small tensors.
+        # Untracked tensors (parameters, inputs) are watched so that a later in-place write (an optimizer
+        # step) first copies the value this op read.
+        consts: list[Tensor | None] = [None] * len(tensors)
+        for k, src in enumerate(srcs):
             if src is None:
-                consts.append(t if keep else t.detach())
-                self._watch(t, (index, 1, k))
-            else:
-                consts.append(None)
-        skeleton_args = tuple(_skeleton(a) for a in args)
-        skeleton_kwargs = {k: _skeleton(v) for k, v in kwargs.items()} if kwargs else {}
-        self.replay[index] = (func, skeleton_args, skeleton_kwargs, srcs, consts)
+                t = tensors[k]
+                consts[k] = t if keep else t.detach()
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    watch(storage.data_ptr(), []).append((index, 1, k))
+        self.replay[index] = (func, args, kwargs, srcs, consts)
 
     def _watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
         storage = t.untyped_storage()
@@ -335,19 +345,13 @@ class Recorder:
         return columns
 
 
-def _skeleton(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return _SLOT
-    if type(value) is list or type(value) is tuple:
-        return type(value)(_SLOT if isinstance(v, Tensor) else v for v in value)
-    return value
-
-
 def fill_skeleton(value: Any, tensors: list, cursor: list[int]) -> Any:
-    """Inverse of the replay skeleton: put ``tensors`` back into the slots, in order."""
-    if value is _SLOT:
+    """Rebuild a recorded argument (an item of ``replay[op][1]`` or a value of ``replay[op][2]``) with its
+    tensor slots -- the tensors in it, in the order ``Recorder.on_op`` gathered them: top level, then one list
+    level, args before kwargs -- replaced by ``tensors[cursor[0]:]``."""
+    if isinstance(value, Tensor):
         cursor[0] += 1
         return tensors[cursor[0] - 1]
     if type(value) is list or type(value) is tuple:
-        return type(value)(fill_skeleton(v, tensors, cursor) for v in value)
+        return type(value)(fill_skeleton(v, tensors, cursor) if isinstance(v, Tensor) else v for v in value)
     return value
