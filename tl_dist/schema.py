@@ -129,3 +129,22 @@ def field_names(fields: tuple[Field, ...]) -> tuple[str, ...]:
 def empty_columns(fields: tuple[Field, ...]) -> dict[str, list]:
     """A fresh dict of empty lists, one per field, in schema order."""
     return {f.name: [] for f in fields}
+
+
+def reference_markdown() -> str:
+    """The field reference of ``docs/fields.md``, generated from the schema lists (``python -m tl_dist.schema``)."""
+    tables = {name: value for name, value in globals().items() if name.endswith("_FIELDS")}
+    lines = [
+        "# Field reference",
+        "",
+        f"Generated from `tl_dist/schema.py` (schema version {SCHEMA_VERSION}) by `python -m tl_dist.schema`;",
+        "do not edit by hand. Kinds are described in that module's docstring.",
+    ]
+    for name, fields in tables.items():
+        lines += ["", f"## `{name}`", "", "| field | kind | meaning |", "|---|---|---|"]
+        lines += [f"| `{f.name}` | {f.kind} | {f.doc.replace('|', '/')} |" for f in fields]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")
