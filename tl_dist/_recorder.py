@@ -187,6 +187,8 @@ class Recorder:
                     outs += [p for p in o if isinstance(p, Tensor)]
         else:
             outs = []
+        if inplace and outs:
+            outs = self._with_written_bases(mutated_tensors(info, args, kwargs), outs)
 
         n = self._label_counts.get(info.func, 0) + 1
         self._label_counts[info.func] = n
@@ -270,6 +272,21 @@ class Recorder:
                 if storage.nbytes():
                     watch(storage.data_ptr(), []).append((index, 1, k))
         self.replay[index] = (func, args, kwargs, srcs, consts)
+
+    def _with_written_bases(self, written: list[Tensor], outs: list[Tensor]) -> list[Tensor]:
+        """An in-place write into a view (``y[:, 0] = 0`` is ``fill_`` on a ``select`` of ``y``) changes the view's
+        base too. The base becomes an extra output of the op, so later readers of ``y`` get this op as their
+        parent and a saved copy of the value they read (not the pre-write value of ``y``'s producer)."""
+        token = self.token
+        extra: list[Tensor] = []
+        for t in written:
+            base = t._base
+            if base is None or any(base is o for o in outs) or any(base is o for o in extra):
+                continue
+            tag = getattr(base, _TAG, None)
+            if tag is not None and tag[0] is token:
+                extra.append(base)
+        return outs + extra if extra else outs
 
     def _watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
         storage = t.untyped_storage()

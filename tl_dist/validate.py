@@ -1,0 +1,238 @@
+"""Replay check of a trace: re-execute every saved op from its parents' saved outputs and compare.
+
+This is TorchLens's validation idea applied to the columnar trace: if every saved op, fed the saved outputs of
+the ops it read (and the parameters/inputs it read, kept by the recorder), reproduces its own saved output,
+then the recorded graph (parents, argument order, saved values) really describes the computation.
+
+Example:
+    >>> trace = tl.trace(model, x)
+    >>> report = trace.validate()
+    >>> bool(report), report.checked, report.skipped
+    (True, 57, 2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._opinfo import mutated_tensors, op_info
+from ._recorder import fill_skeleton
+from .errors import ValidationError
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+# Ops that return uninitialised memory: their saved output is whatever bytes the allocator handed out, so a
+# replay cannot be expected to reproduce it (OpInfo has no tag for this; torch does not tag these ops).
+_UNINITIALISED = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_"}
+)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One op whose replay differs from its saved output."""
+
+    label: str
+    max_abs_diff: float
+    detail: str = ""
+
+
+@dataclass
+class ValidationReport:
+    """Result of :func:`validate`; true when no op mismatched.
+
+    Example:
+        >>> report = trace.validate()
+        >>> if not report:
+        ...     print(report)   # lists each mismatching op with its largest absolute difference
+    """
+
+    checked: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)  # label -> why it was not replayed
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """No replayed op differed from its saved output."""
+        return not self.mismatches
+
+    @property
+    def n_skipped(self) -> int:
+        return len(self.skipped)
+
+    @property
+    def n_mismatched(self) -> int:
+        return len(self.mismatches)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        lines = [
+            f"validation {verdict}: {self.checked} ops replayed, {self.n_mismatched} mismatched, "
+            f"{self.n_skipped} skipped"
+        ]
+        for m in self.mismatches:
+            extra = f" ({m.detail})" if m.detail else ""
+            lines.append(f"  mismatch {m.label}: max abs diff {m.max_abs_diff:.3g}{extra}")
+        for label, why in self.skipped.items():
+            lines.append(f"  skipped {label}: {why}")
+        return "\n".join(lines)
+
+
+def _flat_outputs(out: Any) -> list[torch.Tensor]:
+    # Same flattening as the recorder, so output positions line up with trace.saved[op].
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) is tuple or type(out) is list:
+        flat: list[torch.Tensor] = []
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                flat.append(o)
+            elif type(o) is list or type(o) is tuple:
+                flat.extend(p for p in o if isinstance(p, torch.Tensor))
+        return flat
+    return []
+
+
+def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float) -> tuple[float, str] | None:
+    """None when ``got`` reproduces ``expected``; else (max abs difference, what differs)."""
+    if expected.shape != got.shape:
+        return math.inf, f"shape {tuple(got.shape)} != saved {tuple(expected.shape)}"
+    if expected.dtype != got.dtype:
+        return math.inf, f"dtype {got.dtype} != saved {expected.dtype}"
+    if expected.numel() == 0:
+        return None
+    exp, res = expected.detach(), got.detach().to(expected.device)
+    if exp.is_floating_point() or exp.is_complex():
+        if torch.allclose(res, exp, atol=atol, rtol=rtol, equal_nan=True):
+            return None
+        diff = (res.to(torch.complex128 if exp.is_complex() else torch.float64) - exp).abs()
+        diff = diff[~(torch.isnan(res) & torch.isnan(exp))]
+        return float(diff.max()) if diff.numel() else math.inf, ""
+    if torch.equal(res, exp):
+        return None
+    return float((res.to(torch.float64) - exp.to(torch.float64)).abs().max()), ""
+
+
+def _fill(skeleton_args: tuple, skeleton_kwargs: dict, tensors: list) -> tuple[tuple, dict]:
+    # One cursor across args then kwargs: the recorder numbered tensor slots in that order.
+    cursor = [0]
+    args = tuple([fill_skeleton(a, tensors, cursor) for a in skeleton_args])
+    kwargs = {k: fill_skeleton(v, tensors, cursor) for k, v in skeleton_kwargs.items()}
+    return args, kwargs
+
+
+def _skip_reason(info: Any) -> str | None:
+    if info.kind == "collective":
+        return "collective: replaying it would need every member rank"
+    if info.nondeterministic:
+        return "nondeterministic op (random numbers)"
+    if info.func in _UNINITIALISED:
+        return "returns uninitialised memory"
+    return None
+
+
+def validate(
+    trace: Trace, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5
+) -> ValidationReport:
+    """Re-execute every saved op of ``trace`` from its parents' saved outputs and compare with its own.
+
+    Replays run under ``torch.no_grad()``; tensors an op writes into are cloned first, so neither the model's
+    parameters nor the trace's saved tensors change. Ops whose result is not reproducible (random, returning
+    uninitialised memory, collectives) or whose parents' outputs were not saved are skipped, with the reason.
+
+    Args:
+        trace: a trace recorded with saved outputs (``tl.trace(model, x)`` saves all by default).
+        raise_on_mismatch: raise :class:`~tl_dist.errors.ValidationError` naming the mismatching ops instead
+            of only reporting them.
+        atol: absolute tolerance for floating-point outputs (integer/bool outputs must match exactly).
+        rtol: relative tolerance for floating-point outputs.
+
+    Returns:
+        A :class:`ValidationReport`; ``bool(report)`` is true when nothing mismatched.
+
+    Example:
+        >>> report = tl.trace(model, x).validate()
+        >>> assert report, str(report)
+    """
+    if not isinstance(atol, (int, float)) or isinstance(atol, bool) or atol < 0:
+        raise ValueError(f"atol must be a non-negative number, got {atol!r}")
+    if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or rtol < 0:
+        raise ValueError(f"rtol must be a non-negative number, got {rtol!r}")
+    report = ValidationReport()
+    labels = trace.columns["label"]
+    saved = trace.saved
+    with torch.no_grad():
+        for index in sorted(trace.replay):
+            label = labels[index]
+            func, skeleton_args, skeleton_kwargs, srcs, consts = trace.replay[index]
+            info = op_info(func)
+            reason = _skip_reason(info)
+            expected = saved.get(index)
+            if reason is None and (expected is None or all(e is None for e in expected)):
+                reason = "own output not saved"
+            tensors: list[torch.Tensor] = []
+            for src, const in zip(srcs, consts):
+                if reason is not None:
+                    break
+                if src is None:
+                    tensors.append(const)
+                    continue
+                parent = saved.get(src[0])
+                value = parent[src[1]] if parent is not None and src[1] < len(parent) else None
+                if value is None:
+                    reason = f"input from {labels[src[0]]} (output {src[1]}) was not saved"
+                else:
+                    tensors.append(value)
+            if reason is not None:
+                report.skipped[label] = reason
+                continue
+            args, kwargs = _fill(skeleton_args, skeleton_kwargs, tensors)
+            written = mutated_tensors(info, args, kwargs)
+            if written:
+                # Write into copies: the originals are saved outputs or the model's own parameters. One copy
+                # per distinct tensor, so an op reading and writing the same tensor still sees one tensor.
+                copies = {id(t): t.clone() for t in written}
+                tensors = [copies.get(id(t), t) for t in tensors]
+                args, kwargs = _fill(skeleton_args, skeleton_kwargs, tensors)
+            try:
+                result = _flat_outputs(func(*args, **kwargs))
+            except Exception as exc:  # a replay that cannot run is a finding, not a crash of validate()
+                report.checked += 1
+                report.mismatches.append(
+                    Mismatch(label, math.inf, f"replay raised {type(exc).__name__}: {exc}")
+                )
+                continue
+            report.checked += 1
+            # An in-place write through a view also lists the view's base as an extra saved output (see
+            # Recorder._with_written_bases); the op itself does not return it. Those values are checked by
+            # the replays of the ops that read them.
+            if info.mutated and len(result) < len(expected):
+                expected = expected[: len(result)]
+            if len(result) != len(expected):
+                detail = f"{len(result)} outputs != saved {len(expected)}"
+                report.mismatches.append(Mismatch(label, math.inf, detail))
+                continue
+            worst: tuple[float, str] | None = None
+            for exp, got in zip(expected, result):
+                if exp is None:
+                    continue
+                diff = _compare(exp, got, atol, rtol)
+                if diff is not None and (worst is None or diff[0] > worst[0]):
+                    worst = diff
+            if worst is not None:
+                report.mismatches.append(Mismatch(label, worst[0], worst[1]))
+    if raise_on_mismatch and report.mismatches:
+        names = ", ".join(f"{m.label} (max abs diff {m.max_abs_diff:.3g})" for m in report.mismatches)
+        raise ValidationError(
+            f"{len(report.mismatches)} of {report.checked} replayed ops did not reproduce their saved "
+            f"output: {names}. Check in-place writes through views and custom ops in those ops' modules."
+        )
+    return report
