@@ -1,0 +1,220 @@
+"""A readable text summary of a trace: totals, time and FLOPs per module, and the most expensive ops.
+
+Example:
+    >>> print(tl.trace(model, x).summary(top=5))
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+_OUTSIDE = "(outside modules)"
+
+
+def format_ns(ns: float) -> str:
+    """A duration in the largest unit that keeps it >= 1: ``1.50 ms``, ``820.0 us``, ``95 ns``."""
+    if ns >= 1e9:
+        return f"{ns / 1e9:.2f} s"
+    if ns >= 1e6:
+        return f"{ns / 1e6:.2f} ms"
+    if ns >= 1e3:
+        return f"{ns / 1e3:.1f} us"
+    return f"{int(ns)} ns"
+
+
+def format_count(n: float, unit: str = "") -> str:
+    """A count with an SI prefix: ``1.82 G``, ``3.0 k``; ``0`` stays ``0``."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{int(n)} {unit}".rstrip()
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units: ``1.50 MiB``."""
+    for scale, prefix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {prefix}"
+    return f"{n} B"
+
+
+def format_shape(shape: Any) -> str:
+    """``(2, 64, 56, 56)`` -> ``2x64x56x56``; a 0-d tensor is ``scalar``; no tensor is ``-``."""
+    if shape is None:
+        return "-"
+    return "x".join(map(str, shape)) if len(shape) else "scalar"
+
+
+def render_table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, right: frozenset[int]) -> str:
+    """Columns padded to their widest cell; columns whose position is in ``right`` are right-aligned."""
+    widths = [len(h) for h in header]
+    for row in rows:
+        for k, cell in enumerate(row):
+            widths[k] = max(widths[k], len(cell))
+
+    def line(cells: tuple[str, ...]) -> str:
+        parts = [c.rjust(w) if k in right else c.ljust(w) for k, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def saved_bytes(trace: Trace) -> int:
+    """Bytes of the saved op outputs (each saved tensor counted by its own size).
+
+    NB: saved views of one tensor are counted once each, so this can exceed the memory actually held.
+    """
+    total = 0
+    for outs in trace.saved.values():
+        for t in outs:
+            if t is not None:
+                total += t.nelement() * t.element_size()
+    return total
+
+
+def module_rows(trace: Trace) -> list[dict[str, Any]]:
+    """One dict per module address, in order of first call: type, calls, depth and inclusive ops/time/FLOPs.
+
+    A call's ops are ``[first_op, end_op)`` of the module-call table, which already includes its submodules'
+    ops; prefix sums make each call O(1). A trailing row collects the ops run outside every module.
+
+    NB: a module that calls itself (same address nested) would count the inner call's ops twice.
+    """
+    cols = trace.columns
+    dur = [0, *accumulate(cols["duration_ns"])]
+    flops = [0, *accumulate(cols["flops"])]
+    table = trace.module_table
+    by_address: dict[str, dict[str, Any]] = {}
+    for address, mtype, depth, first, end in zip(
+        table["address"], table["type"], table["depth"], table["first_op"], table["end_op"]
+    ):
+        row = by_address.get(address)
+        if row is None:
+            row = by_address[address] = {
+                "address": address,
+                "type": mtype,
+                "depth": depth,
+                "calls": 0,
+                "ops": 0,
+                "duration_ns": 0,
+                "flops": 0,
+            }
+        row["calls"] += 1
+        row["ops"] += end - first
+        row["duration_ns"] += dur[end] - dur[first]
+        row["flops"] += flops[end] - flops[first]
+    rows = list(by_address.values())
+    outside = [i for i, call in enumerate(cols["module_call"]) if call < 0]
+    if outside:
+        rows.append(
+            {
+                "address": _OUTSIDE,
+                "type": "",
+                "depth": 0,
+                "calls": 0,
+                "ops": len(outside),
+                "duration_ns": sum(cols["duration_ns"][i] for i in outside),
+                "flops": sum(cols["flops"][i] for i in outside),
+            }
+        )
+    return rows
+
+
+def _short_source(source: str) -> str:
+    # file:line with the directory dropped: the full path rarely fits a terminal line.
+    if not source:
+        return ""
+    path, _, line = source.rpartition(":")
+    return f"{os.path.basename(path)}:{line}" if path else source
+
+
+def summary(trace: Trace, *, top: int = 10) -> str:
+    """A readable table of ``trace``: totals, each module's inclusive time and FLOPs, the ``top`` slowest ops.
+
+    Args:
+        trace: the trace to summarise.
+        top: how many of the most expensive ops (by duration) to list; 0 leaves the list out.
+
+    Returns:
+        The summary as one multi-line string.
+
+    Example:
+        >>> trace = tl.trace(model, x)
+        >>> print(trace.summary(top=5))
+        tl_dist trace: 142 ops, 21 module calls, 13.41 ms, 3.64 GFLOP, 142 saved ops (24.13 MiB)
+        ...
+    """
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"top must be a non-negative int (how many ops to list), got {top!r}")
+    cols = trace.columns
+    n_ops = len(trace)
+    total_ns = sum(cols["duration_ns"])
+    total_flops = sum(cols["flops"])
+    n_calls = len(trace.module_table["address"])
+    lines = [
+        f"tl_dist trace: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)}, "
+        f"{format_count(total_flops, 'FLOP')}, {len(trace.saved)} saved ops ({format_bytes(saved_bytes(trace))})"
+    ]
+    if trace.failed_op:
+        failed = trace.failed_op
+        lines.append(
+            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or '<top>'}): "
+            f"{failed['error']}"
+        )
+
+    mod_rows = module_rows(trace)
+    if mod_rows:
+        body = []
+        for row in mod_rows:
+            share = 100.0 * row["duration_ns"] / total_ns if total_ns else 0.0
+            name = row["address"] or "<root>"
+            body.append(
+                (
+                    "  " * row["depth"] + name,
+                    row["type"],
+                    str(row["calls"]) if row["calls"] else "",
+                    str(row["ops"]),
+                    format_ns(row["duration_ns"]),
+                    f"{share:.1f}%",
+                    format_count(row["flops"]),
+                )
+            )
+        header = ("module", "type", "calls", "ops", "time", "time %", "FLOPs")
+        lines += [
+            "",
+            "Per module (inclusive of submodules):",
+            render_table(header, body, right=frozenset({2, 3, 4, 5, 6})),
+        ]
+
+    if top and n_ops:
+        durations = cols["duration_ns"]
+        order = sorted(range(n_ops), key=durations.__getitem__, reverse=True)[:top]
+        body = []
+        for i in order:
+            shapes = cols["out_shapes"][i]
+            share = 100.0 * durations[i] / total_ns if total_ns else 0.0
+            body.append(
+                (
+                    str(i),
+                    cols["label"][i],
+                    cols["module"][i] or "-",
+                    format_shape(tuple(shapes[0]) if shapes else None),
+                    format_ns(durations[i]),
+                    f"{share:.1f}%",
+                    format_count(cols["flops"][i]),
+                    _short_source(cols["source"][i]),
+                )
+            )
+        header = ("#", "op", "module", "shape", "time", "time %", "FLOPs", "source")
+        lines += [
+            "",
+            f"Top {len(order)} ops by time:",
+            render_table(header, body, right=frozenset({0, 4, 5, 6})),
+        ]
+    return "\n".join(lines)
