@@ -6,10 +6,12 @@ Example:
     >>> trace["relu_2"].out, trace.to_pandas(), trace.draw("graph.svg")
 """
 
+from .arm import arm, disarm, should_capture
 from .capture import Capture, capture, trace
 from .errors import MergeError, SchemaError, ShardFormatError, TlDistError, ValidationError
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
+from .store import ShardOptions, load
 from .trace import ModuleCall, Op, Trace
 
 __all__ = [
@@ -24,14 +26,19 @@ __all__ = [
     "SchemaError",
     "Selector",
     "ShardFormatError",
+    "ShardOptions",
     "TlDistError",
     "Trace",
     "ValidationError",
+    "arm",
     "capture",
+    "disarm",
     "func",
     "in_module",
     "label",
+    "load",
     "module",
+    "should_capture",
     "trace",
     "where",
 ]

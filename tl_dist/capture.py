@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import arm as _arm
 from ._recorder import Recorder
 from .errors import TlDistError
 from .selectors import Selector
@@ -56,8 +57,12 @@ class Capture:
         keep_graph: bool = False,
         source: bool = True,
         roots: list[tuple[str, torch.nn.Module]] | None = None,
+        save_grads: Any = None,
+        stats: Any = None,
     ) -> None:
         self.save = _check_save(save)
+        self.save_grads = _check_save(save_grads, "save_grads")
+        self.stats = _check_save(stats, "stats")
         if not isinstance(keep_graph, bool):
             raise ValueError(f"keep_graph must be a bool, got {keep_graph!r}")
         if not isinstance(source, bool):
@@ -66,6 +71,7 @@ class Capture:
         self.source = source
         self._roots = roots or []
         self.trace: Trace | None = None
+        self._window: Any = None  # arm.Window when tl.arm() is active: writes the shard on exit
         self._recorder: Recorder | None = None
         self._mode: _CaptureMode | None = None
 
@@ -73,14 +79,21 @@ class Capture:
         if _active:
             raise TlDistError("a tl_dist capture is already active in this process; captures do not nest")
         recorder = self._recorder = Recorder(
-            save=self.save, keep_graph=self.keep_graph, source=self.source, roots=self._roots
+            save=self.save,
+            keep_graph=self.keep_graph,
+            source=self.source,
+            roots=self._roots,
+            save_grads=self.save_grads,
+            stats=self.stats,
         )
         recorder.modules.install()
+        recorder.training.install()
         self._mode = _CaptureMode(recorder)
         try:
             self._mode.__enter__()
         except BaseException:
             recorder.modules.uninstall()
+            recorder.training.uninstall()
             raise
         _active.append(self)
         # Saved outputs add many small containers; letting the cyclic GC walk them mid-forward costs more
@@ -97,6 +110,8 @@ class Capture:
             _active.remove(self)
             recorder.modules.uninstall()
             recorder.modules.close()
+            # tl.trace (roots given) keeps inert gradient hooks on the graph for trace.log_backward.
+            recorder.training.uninstall(keep_node_hooks=bool(self._roots))
             if self._gc_was_enabled:
                 gc.enable()
         self.trace = self._build_trace(output=None)
@@ -113,6 +128,8 @@ class Capture:
                 exc.add_note(
                     f"tl_dist: {len(self.trace)} ops captured before the error{at}; see exc.tl_trace"
                 )
+        if self._window is not None:
+            self._window.close(self, exc)
 
     def _build_trace(self, output: Any) -> Trace:
         rec = self._recorder
@@ -127,23 +144,46 @@ class Capture:
             output=output,
             metadata={"clock_offset_ns": rec.clock_offset_ns},
             failed_op=rec.failed_op,
+            grads=rec.training.grads,
+            stats_table=rec.training.finish(),
+            recorder=rec,
         )
 
 
-def capture(*, save: Any = None, keep_graph: bool = False, source: bool = True) -> Capture:
+def capture(
+    *,
+    save: Any = None,
+    keep_graph: bool = False,
+    source: bool = True,
+    step: int | None = None,
+    save_grads: Any = None,
+    stats: Any = None,
+) -> Capture:
     """A window recording every op of arbitrary code: ``with tl.capture() as cap: ...``; then ``cap.trace``.
 
     Args:
-        save: which op outputs to keep: ``True`` all, ``None`` none (metadata only), or a selector.
+        save: which op outputs to keep: ``True`` all, ``None`` none (metadata only), or a selector. When
+            ``tl.arm`` is active, None takes the armed default.
         keep_graph: keep saved outputs attached to autograd so a loss can be built from them.
         source: record file:line of the user code issuing each op.
+        save_grads: forward ops whose output gradient (of the loss backward runs on in the window) is kept:
+            ``True``, ``None`` or a selector; ``trace["relu_2"].grad``.
+        stats: ops whose output statistics (mean, std, min, max, L2 norm, zero fraction, NaN and Inf counts)
+            are recorded, and their gradient's when backward runs: ``True``, ``None`` or a selector.
+        step: training step of the window. When armed (``tl.arm``) the window writes
+            ``rank{RRRRR}/step{step:08d}.h5`` on exit (numbered by a window counter when None).
 
     Example:
         >>> with tl.capture(save=tl.func("relu")) as cap:
         ...     model(x).sum().backward()
         >>> cap.trace.to_pandas()
     """
-    return Capture(save=save, keep_graph=keep_graph, source=source)
+    window = _arm.open_window(step)
+    if window is not None and save is None:
+        save = window.armed.save
+    cap = Capture(save=save, keep_graph=keep_graph, source=source, save_grads=save_grads, stats=stats)
+    cap._window = window
+    return cap
 
 
 def trace(
@@ -154,6 +194,8 @@ def trace(
     save: Any = True,
     keep_graph: bool = False,
     source: bool = True,
+    save_grads: Any = None,
+    stats: Any = None,
 ) -> Trace:
     """Run ``model`` once on ``inputs`` and record every ATen op it executes.
 
@@ -165,6 +207,8 @@ def trace(
             (``tl.func("relu") | tl.in_module("classifier")``).
         keep_graph: keep saved outputs attached to autograd (build a loss from activations).
         source: record file:line of the user code issuing each op.
+        save_grads: forward ops whose output gradient ``trace.log_backward(loss)`` keeps (``True``/selector).
+        stats: ops whose output (and, after ``log_backward``, gradient) statistics are recorded.
 
     Returns:
         The :class:`Trace`. If the forward raises, the error propagates with the partial trace as
@@ -184,7 +228,14 @@ def trace(
         args = (inputs,)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    cap = Capture(save=save, keep_graph=keep_graph, source=source, roots=[("", model)])
+    cap = Capture(
+        save=save,
+        keep_graph=keep_graph,
+        source=source,
+        roots=[("", model)],
+        save_grads=save_grads,
+        stats=stats,
+    )
     with cap:
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output

@@ -179,6 +179,22 @@ class Trace:
     def __repr__(self) -> str:
         return f"<Trace {len(self)} ops, {len(self.module_table['address'])} module calls, {len(self.saved)} saved>"
 
+    # -- run metadata (set by tl.arm windows and tl.load) ----------------------------------------------------
+    @property
+    def rank(self) -> int | None:
+        """Global rank of the process that captured this trace (None when not recorded: unarmed capture)."""
+        return self.metadata.get("rank")
+
+    @property
+    def world_size(self) -> int | None:
+        """World size of the run that captured this trace (None when not recorded)."""
+        return self.metadata.get("world_size")
+
+    @property
+    def step(self) -> int | None:
+        """Training step (or window number) of the capture window (None when not recorded)."""
+        return self.metadata.get("step")
+
     @property
     def labels(self) -> dict[str, int]:
         """Label -> op index."""

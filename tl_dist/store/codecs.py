@@ -1,0 +1,169 @@
+"""Per-kind encodings of schema columns as HDF5 datasets (see ``docs/shard-format.md``).
+
+Every encoder writes one node (a dataset, or a group of datasets with ``encoding-type`` /
+``encoding-version`` attributes) under a table group; every decoder returns the plain Python list the in-memory
+trace holds for that kind (ints, floats, bools, strs, tuples of ints, tuples of strs, tuples of torch.Size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from ..schema import Field
+from .options import ShardOptions
+
+ENCODING_VERSION = "1"
+STR_DTYPE = h5py.string_dtype()  # variable-length UTF-8
+
+
+def _tag(node: h5py.Group | h5py.Dataset, encoding: str) -> None:
+    node.attrs["encoding-type"] = encoding
+    node.attrs["encoding-version"] = ENCODING_VERSION
+
+
+def _column(group: h5py.Group, name: str, data: np.ndarray, options: ShardOptions) -> h5py.Dataset:
+    return group.create_dataset(name, data=data, **options.column_kwargs(len(data)))
+
+
+def _categorical(group: h5py.Group, values: Sequence[str] | Any, options: ShardOptions) -> None:
+    categories: dict[str, int] = {}
+    setdefault = categories.setdefault
+    codes = np.fromiter((setdefault(v, len(categories)) for v in values), dtype=np.int32)
+    _column(group, "codes", codes, options)
+    group.create_dataset("categories", data=np.array(list(categories), dtype=object), dtype=STR_DTYPE)
+
+
+def _offsets(lengths: Any, n: int) -> np.ndarray:
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(lengths, dtype=np.int64, count=n), out=offsets[1:])
+    return offsets
+
+
+def write_column(group: h5py.Group, field: Field, values: list, options: ShardOptions) -> None:
+    """Write ``values`` (one schema column) as node ``field.name`` of ``group``."""
+    kind, name, n = field.kind, field.name, len(values)
+    if kind == "int":
+        node = _column(group, name, np.asarray(values, dtype=np.int64).reshape(n), options)
+    elif kind == "float":
+        node = _column(group, name, np.asarray(values, dtype=np.float64).reshape(n), options)
+    elif kind == "bool":
+        node = _column(group, name, np.asarray(values, dtype=np.bool_).reshape(n), options)
+    elif kind == "str":
+        node = group.create_group(name)
+        _tag(node, "categorical")
+        _categorical(node, values, options)
+    elif kind == "ints":
+        node = group.create_group(name)
+        _tag(node, "ragged")
+        offsets = _offsets(map(len, values), n)
+        flat = np.fromiter(chain.from_iterable(values), dtype=np.int64, count=int(offsets[-1]))
+        _column(node, "values", flat, options)
+        _column(node, "offsets", offsets, options)
+    elif kind == "strs":
+        node = group.create_group(name)
+        _tag(node, "ragged-categorical")
+        offsets = _offsets(map(len, values), n)
+        _categorical(node, chain.from_iterable(values), options)
+        _column(node, "offsets", offsets, options)
+    elif kind == "shapes":
+        node = group.create_group(name)
+        _tag(node, "ragged-shapes")
+        offsets = _offsets(map(len, values), n)
+        shapes = list(chain.from_iterable(values))
+        shape_offsets = _offsets(map(len, shapes), len(shapes))
+        flat = np.fromiter(chain.from_iterable(shapes), dtype=np.int64, count=int(shape_offsets[-1]))
+        _column(node, "values", flat, options)
+        _column(node, "shape_offsets", shape_offsets, options)
+        _column(node, "offsets", offsets, options)
+    else:  # schema.Field validates kinds; a new kind must get an encoding here
+        raise NotImplementedError(f"no shard encoding for kind {kind!r} of field {name!r}")
+    node.attrs["kind"] = kind
+    node.attrs["doc"] = field.doc
+
+
+def _read_categorical(node: h5py.Group) -> list[str]:
+    categories = node["categories"].asstr()[()].tolist()
+    return [categories[c] for c in node["codes"][()].tolist()]
+
+
+def _split(flat: list, offsets: list[int]) -> list[tuple]:
+    return [tuple(flat[a:b]) for a, b in zip(offsets, offsets[1:])]
+
+
+def _check_encoding(node: Any, expected: str, field: Field) -> None:
+    encoding = node.attrs.get("encoding-type") if isinstance(node, h5py.Group) else "dataset"
+    if encoding != expected:
+        raise ValueError(
+            f"column {field.name!r} (kind {field.kind}) should be encoded as {expected!r}, found {encoding!r}"
+        )
+
+
+def read_column(group: h5py.Group, field: Field, n: int) -> list:
+    """Read column ``field`` of ``group`` back into the in-memory representation; checks its length is ``n``."""
+    if field.name not in group:
+        raise ValueError(f"column {field.name!r} is missing from {group.name}")
+    node = group[field.name]
+    kind = field.kind
+    if kind in ("int", "float", "bool"):
+        _check_encoding(node, "dataset", field)
+        values = node[()].tolist()
+    elif kind == "str":
+        _check_encoding(node, "categorical", field)
+        values = _read_categorical(node)
+    elif kind == "ints":
+        _check_encoding(node, "ragged", field)
+        values = _split(node["values"][()].tolist(), node["offsets"][()].tolist())
+    elif kind == "strs":
+        _check_encoding(node, "ragged-categorical", field)
+        values = _split(_read_categorical(node), node["offsets"][()].tolist())
+    elif kind == "shapes":
+        _check_encoding(node, "ragged-shapes", field)
+        flat = node["values"][()].tolist()
+        size = torch.Size
+        shapes = [size(flat[a:b]) for a, b in _pairs(node["shape_offsets"][()].tolist())]
+        values = _split(shapes, node["offsets"][()].tolist())
+    else:
+        raise NotImplementedError(f"no shard encoding for kind {kind!r} of field {field.name!r}")
+    if len(values) != n:
+        raise ValueError(f"column {field.name!r} of {group.name} has {len(values)} rows, expected {n}")
+    return values
+
+
+def _pairs(offsets: list[int]) -> Any:
+    return zip(offsets, offsets[1:])
+
+
+def write_table(
+    parent: h5py.Group, name: str, fields: tuple[Field, ...], columns: dict[str, list], options: ShardOptions
+) -> h5py.Group:
+    """Write a dict of columns as group ``name``: one node per field, column order and row count as attrs."""
+    group = parent.create_group(name)
+    _tag(group, "table")
+    n = len(columns[fields[0].name]) if fields else 0
+    group.attrs["column-order"] = np.array([f.name for f in fields], dtype=object)
+    group.attrs["n-rows"] = n
+    for f in fields:
+        values = columns.get(f.name)
+        if values is None:
+            raise ValueError(f"table {name!r} lacks column {f.name!r} of its schema")
+        if len(values) != n:
+            raise ValueError(f"table {name!r}: column {f.name!r} has {len(values)} rows, expected {n}")
+        write_column(group, f, values, options)
+    return group
+
+
+def read_table(parent: h5py.Group, name: str, fields: tuple[Field, ...]) -> dict[str, list]:
+    """Read group ``name`` written by :func:`write_table` back into a dict of columns in schema order."""
+    if name not in parent:
+        raise ValueError(f"group {name!r} is missing")
+    group = parent[name]
+    if not isinstance(group, h5py.Group) or group.attrs.get("encoding-type") != "table":
+        raise ValueError(f"{group.name} is not a table (encoding-type attribute 'table' missing)")
+    n = int(group.attrs["n-rows"])
+    return {f.name: read_column(group, f, n) for f in fields}
