@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import arm as _arm
+from .arm import open_window as _open_window
 from ._recorder import Recorder
 from .errors import TlDistError
 from .selectors import Selector
@@ -178,9 +178,12 @@ def capture(
         ...     model(x).sum().backward()
         >>> cap.trace.to_pandas()
     """
-    window = _arm.open_window(step)
-    if window is not None and save is None:
-        save = window.armed.save
+    window = _open_window(step)
+    if window is not None:
+        armed = window.armed
+        save = armed.save if save is None else save
+        save_grads = armed.save_grads if save_grads is None else save_grads
+        stats = armed.stats if stats is None else stats
     cap = Capture(save=save, keep_graph=keep_graph, source=source, save_grads=save_grads, stats=stats)
     cap._window = window
     return cap

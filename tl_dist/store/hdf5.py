@@ -17,12 +17,15 @@ import numpy as np
 import torch
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
+from .. import schema as _schema
 from ..errors import ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from ..trace import Trace
 from .codecs import ENCODING_VERSION, ShardOptions, _tag, read_table, write_table
 
 ROOT_ENCODING = "tl_dist.shard"
+# Per-op statistics (tl.capture(stats=...)); a schema list owned by the training-capture code.
+_STAT_FIELDS: tuple[Field, ...] = getattr(_schema, "STAT_FIELDS", ())
 _DEFAULT_OPTIONS = ShardOptions()
 
 # Which module/output-of rows have an entry: an internal side table, not a schema of its own.
@@ -192,6 +195,9 @@ def write_shard(
             grads = getattr(trace, "grads", None)
             if grads:
                 _write_tensors(root, "grads", grads, labels, options)
+            stats_table = getattr(trace, "stats_table", None)
+            if _STAT_FIELDS and stats_table is not None:
+                write_table(root, "stats", _STAT_FIELDS, stats_table, options)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -346,6 +352,9 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
             collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS)
             out_of = read_table(root, "output_of", _OUTPUT_OF_FIELDS)
             out_trees, output = _read_trees(root)
+            stats_table = (
+                read_table(root, "stats", _STAT_FIELDS) if _STAT_FIELDS and "stats" in root else None
+            )
             saved: Mapping[int, list] = {}
             grads: Mapping[int, list] = {}
             if tensors:
@@ -366,11 +375,13 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
         metadata=metadata,
         failed_op=failed_op,
     )
-    # Trace(saved=...) replaces an empty mapping by a dict; keep the lazy one so `len()`/`in` stay cheap.
+    # Set after construction: Trace(saved=...) replaces an empty mapping by a dict, and the lazy mapping keeps
+    # `len()` / `in` cheap without reading tensors.
     if tensors:
         trace.saved = saved
-        if grads:
-            trace.grads = grads
+        trace.grads = grads
+    if stats_table is not None:
+        trace.stats_table = stats_table
     return trace
 
 

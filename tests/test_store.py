@@ -1,0 +1,275 @@
+"""HDF5 shards: write_shard / tl.load round trips, the on-disk layout, and the errors for bad files."""
+
+import shutil
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import tl_dist as tl
+from tl_dist.schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION
+from tl_dist.store import LazyTensors, ShardOptions, write_shard
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = self.pool(torch.relu(self.bn(self.conv(x))))
+        return self.fc(y.flatten(1))
+
+
+class MultiOut(nn.Module):
+    """Ops with several outputs (max_pool2d_with_indices, split, topk, LSTM) and a module returning a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.MaxPool2d(2, return_indices=True)
+        self.lstm = nn.LSTM(3, 6, batch_first=True)
+
+    def forward(self, x):
+        pooled, idx = self.pool(x)
+        a, b = torch.split(pooled.flatten(2), 8, dim=2)
+        vals, where = torch.topk(a.sum(1), 1, dim=1)
+        seq, (h, c) = self.lstm(pooled.flatten(2).transpose(1, 2))
+        return {"vals": vals, "where": where, "idx": idx, "h": h, "b": b, "scale": 2}
+
+
+def assert_same_trace(mem, disk):
+    for f in OP_FIELDS:
+        assert disk.columns[f.name] == mem.columns[f.name], f.name
+    for f in MODULE_CALL_FIELDS:
+        assert disk.module_table[f.name] == mem.module_table[f.name], f.name
+    for f in COLLECTIVE_FIELDS:
+        assert disk.collective_table[f.name] == mem.collective_table[f.name], f.name
+    assert disk.output_of == mem.output_of
+    assert disk.failed_op == mem.failed_op
+    for name in ("saved", "grads"):
+        mem_t, disk_t = getattr(mem, name, {}) or {}, getattr(disk, name, {}) or {}
+        assert sorted(disk_t) == sorted(mem_t), name
+        for op, outs in mem_t.items():
+            loaded = disk_t[op]
+            assert len(loaded) == len(outs)
+            for a, b in zip(outs, loaded):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert b.dtype == a.dtype and b.shape == a.shape
+                    assert torch.equal(a.detach(), b), f"{name} of op {op}"
+    for call_mem, call_disk in zip(mem.module_calls(), disk.module_calls()):
+        leaves_mem, spec_mem = tree_flatten(call_mem.out)
+        leaves_disk, spec_disk = tree_flatten(call_disk.out)
+        assert spec_mem == spec_disk, call_mem
+        for a, b in zip(leaves_mem, leaves_disk):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a.detach(), b)
+            else:
+                assert a == b
+
+
+def test_round_trip_cnn_training_step(tmp_path):
+    model = SmallCNN().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 8, 8)
+    with tl.capture(save=True, save_grads=True, stats=True) as cap:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+    mem = cap.trace
+    assert {"forward", "backward", "optimizer"} <= set(mem.columns["phase"])
+    path = write_shard(mem, tmp_path / "s.h5")
+    disk = tl.load(path)
+    assert len(disk) == len(mem) > 40
+    assert_same_trace(mem, disk)
+    if getattr(mem, "stats_table", None) is not None:
+        assert disk.stats_table == mem.stats_table
+    assert disk.metadata["complete"] is True
+    assert disk.metadata["clock_offset_ns"] == mem.metadata["clock_offset_ns"]
+    # Queries work on the loaded trace as on the live one.
+    sel = tl.func("relu") & tl.in_module("")
+    assert [op.label for op in disk.select(sel)] == [op.label for op in mem.select(sel)]
+    assert disk.to_pandas().equals(mem.to_pandas())
+    assert torch.equal(disk["relu_1"].out, mem["relu_1"].out)
+
+
+def test_round_trip_multi_output_ops_and_structured_module_output(tmp_path):
+    model = MultiOut()
+    x = torch.randn(2, 3, 8, 8)
+    mem = tl.trace(model, x)
+    assert len(mem["max_pool2d_with_indices_1"].out) == 2
+    disk = tl.load(write_shard(mem, tmp_path / "m.h5"))
+    assert_same_trace(mem, disk)
+    pooled, idx = disk["max_pool2d_with_indices_1"].out
+    assert idx.dtype == torch.int64 and torch.equal(pooled, mem["max_pool2d_with_indices_1"].out[0])
+    out = disk.output
+    assert set(out) == {"vals", "where", "idx", "h", "b", "scale"} and out["scale"] == 2
+    assert torch.equal(out["h"], mem.output["h"].detach())
+    # One dataset per output of a multi-output op, under a group named by the op's label.
+    with h5py.File(tmp_path / "m.h5") as f:
+        group = f["saved/max_pool2d_with_indices_1"]
+        assert isinstance(group, h5py.Group) and sorted(group) == ["0", "1"]
+        assert group.attrs["n-outputs"] == 2
+
+
+def test_dtypes_numpy_lacks_and_scalars_round_trip(tmp_path):
+    def f(x):
+        y = x.to(torch.bfloat16) * 2
+        return y.float().sum(), (x > 0), x.to(torch.complex64)
+
+    class M(nn.Module):
+        def forward(self, x):
+            return f(x)
+
+    mem = tl.trace(M(), torch.randn(3, 4))
+    disk = tl.load(write_shard(mem, tmp_path / "d.h5"))
+    assert_same_trace(mem, disk)
+    dtypes = {t.dtype for outs in disk.saved.values() for t in outs}
+    assert {torch.bfloat16, torch.bool, torch.complex64, torch.float32} <= dtypes
+    with h5py.File(tmp_path / "d.h5") as f:
+        scalar = f["saved/sum_1"]
+        assert scalar.shape == () and scalar.chunks is None and scalar.compression is None
+        # Empty tables are never chunked or compressed; non-empty columns are.
+        assert f["collectives/op"].shape == (0,) and f["collectives/op"].chunks is None
+        assert f["ops/index"].compression == "gzip" and f["ops/index"].chunks is not None
+
+
+def test_layout_is_plain_hdf5_without_pickle(tmp_path):
+    mem = tl.trace(SmallCNN(), torch.randn(1, 3, 8, 8))
+    path = write_shard(mem, tmp_path / "p.h5")
+    with h5py.File(path) as f:
+        assert f.attrs["encoding-type"] == "tl_dist.shard"
+        assert f.attrs["schema_version"] == SCHEMA_VERSION
+        assert list(f["ops"].attrs["column-order"]) == [fl.name for fl in OP_FIELDS]
+        # Strings: categorical codes + vlen UTF-8 categories, read with .asstr().
+        label = f["ops/label"]
+        assert label.attrs["encoding-type"] == "categorical"
+        cats = label["categories"].asstr()[()]
+        assert [cats[c] for c in label["codes"][()]] == mem.columns["label"]
+        # Ragged ints: values + offsets.
+        parents = f["ops/parents"]
+        off = parents["offsets"][()]
+        assert tuple(parents["values"][off[5] : off[6]]) == mem.columns["parents"][5]
+        kinds = set()
+
+        def visit(name, node):
+            if isinstance(node, h5py.Dataset):
+                kinds.add(node.dtype.kind if h5py.check_string_dtype(node.dtype) is None else "str")
+            else:
+                assert "encoding-type" in node.attrs, name
+
+        f.visititems(visit)
+        # Only numbers, bools and strings: nothing that could hold a pickled object.
+        assert kinds <= {"i", "u", "f", "b", "c", "str"} and "O" not in kinds
+
+
+@pytest.mark.skipif(shutil.which("h5dump") is None, reason="h5dump not installed")
+def test_h5dump_reads_shard(tmp_path):
+    mem = tl.trace(SmallCNN(), torch.randn(1, 3, 8, 8))
+    path = write_shard(mem, tmp_path / "h.h5")
+    header = subprocess.run(["h5dump", "-H", str(path)], capture_output=True, text=True, timeout=60)
+    assert header.returncode == 0, header.stderr
+    assert 'GROUP "ops"' in header.stdout and 'GROUP "saved"' in header.stdout
+    data = subprocess.run(
+        ["h5dump", "-d", "/ops/label/categories", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert data.returncode == 0 and '"convolution_1"' in data.stdout
+
+
+def test_lazy_and_no_tensor_loading(tmp_path):
+    mem = tl.trace(SmallCNN(), torch.randn(1, 3, 8, 8))
+    path = write_shard(mem, tmp_path / "l.h5")
+    lazy = tl.load(path)
+    assert isinstance(lazy.saved, LazyTensors) and lazy.saved._cache == {}
+    assert len(lazy.saved) == len(mem.saved) and 0 in lazy.saved
+    assert lazy.saved._cache == {}  # len/in read nothing
+    first = lazy["convolution_1"].out
+    assert torch.equal(first, mem["convolution_1"].out) and list(lazy.saved._cache) == [0]
+    everything = lazy.saved.load_all()
+    assert len(everything) == len(mem.saved)
+    bare = tl.load(path, tensors=False)
+    assert len(bare.saved) == 0 and bare["convolution_1"].out is None
+    assert bare.columns == lazy.columns
+
+
+def test_failed_write_leaves_no_file(tmp_path):
+    mem = tl.trace(SmallCNN(), torch.randn(1, 3, 8, 8))
+    mem.saved[0] = ["not a tensor"]
+    with pytest.raises(AttributeError):
+        write_shard(mem, tmp_path / "bad.h5")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="folder"):
+        write_shard(mem, tmp_path / "missing" / "x.h5")
+    with pytest.raises(ValueError, match="rows_per_chunk"):
+        ShardOptions(rows_per_chunk=0)
+    with pytest.raises(ValueError, match="compression"):
+        ShardOptions(compression="lzf")
+
+
+@pytest.fixture
+def good_shard(tmp_path):
+    return write_shard(tl.trace(SmallCNN(), torch.randn(1, 3, 8, 8)), tmp_path / "good.h5")
+
+
+def test_text_file_is_rejected(tmp_path):
+    path = tmp_path / "notes.h5"
+    path.write_text("just some text\n")
+    with pytest.raises(tl.ShardFormatError, match=r"notes\.h5.*not a readable HDF5"):
+        tl.load(path)
+
+
+def test_truncated_file_is_rejected(good_shard, tmp_path):
+    data = good_shard.read_bytes()
+    for cut in (len(data) // 2, 1024, len(data) - 100):
+        path = tmp_path / f"cut{cut}.h5"
+        path.write_bytes(data[:cut])
+        with pytest.raises(tl.ShardFormatError, match=f"cut{cut}"):
+            trace = tl.load(path)
+            trace.saved.load_all()
+
+
+def test_corrupt_bytes_are_rejected(good_shard, tmp_path):
+    data = bytearray(good_shard.read_bytes())
+    data[0:8] = b"\0" * 8  # the HDF5 signature
+    path = tmp_path / "nosig.h5"
+    path.write_bytes(bytes(data))
+    with pytest.raises(tl.ShardFormatError, match="nosig"):
+        tl.load(path)
+
+
+def test_foreign_hdf5_is_rejected(tmp_path):
+    path = tmp_path / "foreign.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.arange(10))
+    with pytest.raises(tl.ShardFormatError, match=r"foreign\.h5.*another layout"):
+        tl.load(path)
+
+
+def test_newer_schema_is_rejected(good_shard):
+    with h5py.File(good_shard, "r+") as f:
+        f.attrs["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(tl.ShardFormatError, match=rf"good\.h5.*version {SCHEMA_VERSION + 1}.*upgrade"):
+        tl.load(good_shard)
+
+
+def test_missing_column_is_rejected(good_shard):
+    with h5py.File(good_shard, "r+") as f:
+        del f["ops/flops"]
+    with pytest.raises(tl.ShardFormatError, match=r"good\.h5.*flops"):
+        tl.load(good_shard)
+
+
+def test_missing_file_and_bad_arguments(tmp_path):
+    with pytest.raises(tl.ShardFormatError, match="nope.h5"):
+        tl.load(tmp_path / "nope.h5")
+    with pytest.raises(ValueError, match="path"):
+        tl.load(3)
+    with pytest.raises(ValueError, match="tensors"):
+        tl.load(tmp_path / "nope.h5", tensors="yes")
