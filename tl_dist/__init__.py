@@ -9,6 +9,7 @@ Example:
 from .arm import arm, disarm, should_capture
 from .capture import Capture, capture, trace
 from .errors import MergeError, SchemaError, ShardFormatError, TlDistError, ValidationError
+from .merge import MergedTrace, load_merged, merge_ranks
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
 from .store import ShardOptions, load
@@ -19,6 +20,7 @@ __all__ = [
     "Field",
     "MODULE_CALL_FIELDS",
     "MergeError",
+    "MergedTrace",
     "ModuleCall",
     "OP_FIELDS",
     "Op",
@@ -37,6 +39,8 @@ __all__ = [
     "in_module",
     "label",
     "load",
+    "load_merged",
+    "merge_ranks",
     "module",
     "should_capture",
     "trace",

@@ -130,11 +130,22 @@ class ModuleTracker:
             self.address_stack = ()
 
     def close(self) -> None:
-        """Ends calls still open (the forward raised) at the current op count."""
+        """Ends calls still open (the forward raised) at the current op count; untags the modules' tensors."""
         while self._stack:
             _, row = self._stack.pop()
             self.calls["end_op"][row] = self._recorder.n_ops
         self._set_current()
+        # An in-place op on a parameter or buffer (a step counter's add_, BatchNorm's running stats, an
+        # optimizer step) tags it like any op output; the tag must not stay on the user's model.
+        token = self._recorder.token
+        for ref in self._modules.values():
+            mod = ref()
+            if mod is None:
+                continue
+            for t in (*mod._parameters.values(), *mod._buffers.values()):
+                tag = getattr(t, "_tl_src", None)
+                if tag is not None and tag[0] is token:
+                    del t._tl_src
 
     def live_module(self, address: str) -> torch.nn.Module | None:
         """The module object behind ``address`` if it is still alive."""

@@ -18,9 +18,12 @@ from ._modules import ModuleTracker
 from ._opinfo import _CACHE as _OPINFO_CACHE
 from ._opinfo import mutated_tensors, op_info
 from .schema import OP_FIELDS, field_names
+from .training import TrainingState, backward_link
 
 Tensor = torch.Tensor
 _perf_ns = time.perf_counter_ns
+_graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
 _TAG = "_tl_src"
 
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
@@ -103,6 +106,8 @@ class Recorder:
         keep_graph: bool,
         source: bool,
         roots: list[tuple[str, torch.nn.Module]],
+        save_grads: Any = None,
+        stats: Any = None,
     ) -> None:
         self.rows: list[tuple] = []
         self.n_ops = 0
@@ -121,11 +126,17 @@ class Recorder:
         self.params = self.modules.params
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
+        # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
+        self.pending: tuple[int, list[Tensor]] | None = None
+        self.training = TrainingState(self, save_grads=save_grads, stats=stats)
+        self.stats_on = stats is not None
         self.clock_offset_ns = time.time_ns() - _perf_ns()
 
     # -- the hot path -------------------------------------------------------------------------------------
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         info = _OPINFO_CACHE.get(func) or op_info(func)
+        if self.pending is not None:  # the previous op's outputs now have their grad_fn
+            self.training.link_pending()
         tensors: list[Tensor] = []
         for a in args:
             if isinstance(a, Tensor):
@@ -222,7 +233,8 @@ class Recorder:
             info.func,
             info.aten,
             kind,
-            self.phase,
+            self.phase if _graph_task_id() == -1 else "backward",
+            -1 if _graph_task_id() == -1 else backward_link(token),
             modules.current_address,
             modules.address_stack,
             modules.current_call,
@@ -240,6 +252,11 @@ class Recorder:
             tuple(param_names),
         )
         self.rows.append(row)
+        if outs:
+            if _grad_enabled():
+                self.pending = (index, outs)
+            if self.stats_on:
+                self.training.out_stats(index, outs, row)
         self.n_ops = index + 1
 
         if outs and (
@@ -301,6 +318,9 @@ class Recorder:
                 if what == 0:
                     saved = self.saved[index]
                     saved[pos] = saved[pos].clone()
+                elif what == 2:  # a stored gradient (tl_dist.training)
+                    grads = self.training.grads[index]
+                    grads[pos] = grads[pos].clone()
                 else:
                     consts = self.replay[index][4]
                     consts[pos] = consts[pos].clone()

@@ -50,6 +50,11 @@ OP_FIELDS: tuple[Field, ...] = (
         "phase", "str", "`forward`, `backward` (run by the autograd engine) or `optimizer` (inside step())."
     ),
     Field(
+        "fwd_op",
+        "int",
+        "For a backward op: index of the forward op whose autograd node it runs (its grad_fn); -1 otherwise.",
+    ),
+    Field(
         "module", "str", "Address of the innermost module whose forward issued the op; '' outside any module."
     ),
     Field("module_stack", "strs", "Addresses of the enclosing module calls, outermost first."),
@@ -118,6 +123,22 @@ COLLECTIVE_FIELDS: tuple[Field, ...] = (
     Field("complete_ns", "int", "When it was observed complete, ns since the Unix epoch; -1 if never."),
     Field("state", "str", "`issued` (never seen complete: in flight at a crash or hang) or `completed`."),
     Field("bucket", "int", "DDP gradient bucket index for DDP's bucket all-reduce; -1 otherwise."),
+)
+
+# One row per (op, value) whose statistics a capture with ``stats=`` recorded: the op's first floating-point
+# output (`of` == "out") or the gradient of the loss w.r.t. it (`of` == "grad"). Filled by tl_dist.training.
+STAT_FIELDS: tuple[Field, ...] = (
+    Field("op", "int", "Index of the op in the op table."),
+    Field("of", "str", "`out` (the op's output) or `grad` (gradient of the loss w.r.t. that output)."),
+    Field("at", "int", "Ops recorded before the value existed: orders values by when they were computed."),
+    Field("mean", "float", "Mean of the elements."),
+    Field("std", "float", "Population standard deviation (correction 0)."),
+    Field("min", "float", "Smallest element (NaN if any element is NaN)."),
+    Field("max", "float", "Largest element (NaN if any element is NaN)."),
+    Field("norm", "float", "L2 norm of the flattened tensor."),
+    Field("zero_frac", "float", "Fraction of elements equal to zero."),
+    Field("nan", "int", "Number of NaN elements."),
+    Field("inf", "int", "Number of +-Inf elements."),
 )
 
 

@@ -203,7 +203,7 @@ def validate(
                 tensors = [copies.get(id(t), t) for t in tensors]
                 args, kwargs = _fill(skeleton_args, skeleton_kwargs, tensors)
             try:
-                result = _flat_outputs(func(*args, **kwargs))
+                raw = func(*args, **kwargs)
             except Exception as exc:  # a replay that cannot run is a finding, not a crash of validate()
                 report.checked += 1
                 report.mismatches.append(
@@ -211,6 +211,12 @@ def validate(
                 )
                 continue
             report.checked += 1
+            result = _flat_outputs(raw)
+            # Outputs a kernel fills only for autograd (mkldnn_rnn_layer's workspace) come back undefined
+            # (None) from a no_grad replay; they are the op's last outputs and are not compared.
+            undefined = sum(o is None for o in raw) if type(raw) is tuple or type(raw) is list else 0
+            if undefined and len(result) + undefined == len(expected):
+                expected = expected[: len(result)]
             # An in-place write through a view also lists the view's base as an extra saved output (see
             # Recorder._with_written_bases); the op itself does not return it. Those values are checked by
             # the replays of the ops that read them.

@@ -1,0 +1,125 @@
+"""Builders of per-rank traces with hand-written collectives, for merge tests that need exact control
+(clock shifts, known sleeps). Shards are written with the store's real writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tl_dist.schema import COLLECTIVE_FIELDS, OP_FIELDS, empty_columns
+from tl_dist.store import write_shard
+from tl_dist.trace import Trace
+
+_DEFAULTS = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
+NUMEL = {"all_reduce": (1, 1), "all_gather": (1, 2), "reduce_scatter": (2, 1)}
+
+
+def coll(
+    func="all_reduce",
+    *,
+    numel=4,
+    dtype="float32",
+    source=None,
+    module="",
+    issue=0,
+    complete=None,
+    state="completed",
+    group=(0, 1),
+    peer=-1,
+    is_async=False,
+    out_numel=None,
+    compute_ns=0,
+):
+    """One collective of a rank's script: issued at ``issue`` ns after the previous op ended (``compute_ns``
+    of compute before it), completed at ``complete`` (absolute, rank clock) or right after issue."""
+    return dict(
+        func=func,
+        numel=numel,
+        dtype=dtype,
+        source=source or f"train.py:{10 + hash(func) % 50}",
+        module=module,
+        issue=issue,
+        complete=complete,
+        state=state,
+        group=tuple(group),
+        peer=peer,
+        is_async=is_async,
+        out_numel=out_numel,
+        compute_ns=compute_ns,
+    )
+
+
+def make_trace(rank, script, *, world_size=2, step=0, t0=1_000_000_000_000, complete=True):
+    """A trace whose ops are, per script entry: one compute op (``compute_ns`` long) then the collective.
+
+    Collective ``issue``/``complete`` in each entry are absolute ns on this rank's clock when given; the
+    sequence number of each group counts from 1 in script order.
+    """
+    rows = []
+    ct = empty_columns(COLLECTIVE_FIELDS)
+    seqs: dict[tuple, int] = {}
+    counts: dict[str, int] = {}
+    t = t0
+    for c in script:
+        for func, kind, dur, src in (
+            ("mm", "compute", c["compute_ns"] or 1000, "model.py:5"),
+            (c["func"], "collective", None, c["source"]),
+        ):
+            counts[func] = counts.get(func, 0) + 1
+            row = {f.name: _DEFAULTS[f.kind] for f in OP_FIELDS}
+            row.update(index=len(rows), label=f"{func}_{counts[func]}", func=func, kind=kind, source=src)
+            row.update(module=c["module"], phase="forward", dtype=c["dtype"])
+            if kind == "collective":
+                start = c["issue"] or t
+                end = c["complete"] if c["complete"] is not None else start + 50_000
+                row.update(start_ns=start, duration_ns=max(end - start, 0), aten=f"c10d.{func}_.default")
+                t = end
+                group = c["group"]
+                seqs[group] = seqs.get(group, 0) + 1
+                i_mul, o_mul = NUMEL.get(func, (1, 1))
+                out_numel = c["out_numel"] if c["out_numel"] is not None else c["numel"] * o_mul
+                values = dict(
+                    op=len(rows),
+                    func=func,
+                    group_ranks=group,
+                    group_name="0" if len(group) == world_size else "1",
+                    group_desc="default_pg",
+                    seq=seqs[group] if func not in ("send", "recv") else -1,
+                    reduce_op="sum" if func in ("all_reduce", "reduce_scatter") else "",
+                    root=-1,
+                    peer=c["peer"],
+                    in_numel=c["numel"] * i_mul,
+                    out_numel=out_numel,
+                    dtype=c["dtype"],
+                    bytes=c["numel"] * i_mul * 4,
+                    is_async=c["is_async"],
+                    issue_ns=start,
+                    complete_ns=end if c["state"] == "completed" else -1,
+                    state=c["state"],
+                    bucket=-1,
+                    backend="gloo",
+                )
+                full = {f.name: _DEFAULTS[f.kind] for f in COLLECTIVE_FIELDS}
+                full.update(values)
+                for k in ct:
+                    ct[k].append(full[k])
+            else:
+                row.update(start_ns=t, duration_ns=dur, aten="aten.mm.default", flops=100)
+                t += dur
+            rows.append(row)
+    columns = {f.name: [r[f.name] for r in rows] for f in OP_FIELDS}
+    mods = {"address": [], "type": [], "call": [], "parent": [], "depth": [], "first_op": [], "end_op": []}
+    mods.update(out_ops=[], out_pos=[])
+    meta = {"rank": rank, "world_size": world_size, "step": step, "complete": complete}
+    return Trace(columns, mods, collective_table=ct, metadata=meta)
+
+
+def write_run(root: Path, traces, *, complete=None):
+    """Write traces as ``root/rank{R}/step{S}.h5`` shards; returns the paths."""
+    paths = []
+    for trace in traces:
+        rank, step = trace.metadata["rank"], trace.metadata["step"]
+        folder = Path(root) / f"rank{rank:05d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        ok = trace.metadata["complete"] if complete is None else complete
+        paths.append(write_shard(trace, folder / f"step{step:08d}.h5", complete=ok))
+    return paths

@@ -1,0 +1,446 @@
+"""Joining collectives across ranks and giving each a verdict (PyTorch Flight Recorder's taxonomy).
+
+Collectives are keyed by (group's global ranks, group sequence number), which c10d keeps equal on every member.
+A sequence number alone cannot tell *which* op diverged, though: when one rank skips a collective, its later
+collectives shift by one sequence number and every later pair looks wrong. So within a group each rank's
+collectives (in sequence order) are aligned to a reference member's on where they were issued -- (func,
+module, source line) -- the way ``diff`` aligns lines. Identical sequences (the common, healthy case) pair
+by position without running the aligner. p2p send/recv pair by (group, src, dst, n-th occurrence).
+
+Verdict per joined collective, first that applies:
+
+- ``not_completed``  a member issued it but never saw it complete, or a member whose shard is incomplete
+  never reached it (the hang signature).
+- ``order``          the ranks issued it at different positions (swapped collectives).
+- ``missing``        some members never issued it (skipped, or did something else there).
+- ``type_mismatch``  members issued different collectives at this point.
+- ``dtype_mismatch`` members' tensors have different dtypes.
+- ``size_mismatch``  sizes break the kind's rule (all_reduce: in == out and equal on all members;
+  all_gather: out == in x group size; reduce_scatter: in == out x group size; ...).
+- ``matched``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from difflib import SequenceMatcher
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+P2P_FUNCS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "recv_any_source": "recv"}
+VERDICTS = (
+    "matched",
+    "not_completed",
+    "order",
+    "missing",
+    "type_mismatch",
+    "dtype_mismatch",
+    "size_mismatch",
+)
+# Swapped collectives are looked for within this many joined collectives of each other.
+_SWAP_WINDOW = 3
+
+
+class Entry:
+    """One rank's record of one collective: its collective-table row plus where in the model it ran."""
+
+    __slots__ = (
+        "rank",
+        "row",
+        "op",
+        "func",
+        "group",
+        "group_name",
+        "seq",
+        "peer",
+        "root",
+        "in_numel",
+        "out_numel",
+        "dtype",
+        "nbytes",
+        "is_async",
+        "issue_ns",
+        "complete_ns",
+        "state",
+        "label",
+        "module",
+        "source",
+        "key",
+    )
+
+    def where(self) -> dict[str, Any]:
+        """The op's place in the model, for findings."""
+        return {
+            "op": self.op,
+            "label": self.label,
+            "func": self.func,
+            "module": self.module,
+            "source": self.source,
+            "seq": self.seq,
+            "state": self.state,
+        }
+
+    @property
+    def payload(self) -> int:
+        return self.in_numel if self.in_numel > 0 else self.out_numel
+
+
+def entries_of(rank: int, trace: Trace) -> list[Entry]:
+    """The collectives of one rank's trace as :class:`Entry` records, in table order."""
+    ct = trace.collective_table
+    cols = trace.columns
+    labels, modules, sources = cols["label"], cols["module"], cols["source"]
+    out = []
+    for i in range(len(ct["op"])):
+        e = Entry()
+        e.rank = rank
+        e.row = i
+        e.op = op = int(ct["op"][i])
+        e.func = ct["func"][i]
+        e.group = tuple(int(r) for r in ct["group_ranks"][i])
+        e.group_name = ct["group_name"][i]
+        e.seq = int(ct["seq"][i])
+        e.peer = int(ct["peer"][i])
+        e.root = int(ct["root"][i])
+        e.in_numel = int(ct["in_numel"][i])
+        e.out_numel = int(ct["out_numel"][i])
+        e.dtype = ct["dtype"][i]
+        e.nbytes = int(ct["bytes"][i])
+        e.is_async = bool(ct["is_async"][i])
+        e.issue_ns = int(ct["issue_ns"][i])
+        e.complete_ns = int(ct["complete_ns"][i])
+        e.state = ct["state"][i]
+        valid = 0 <= op < len(labels)
+        e.label = labels[op] if valid else ""
+        e.module = modules[op] if valid else ""
+        e.source = sources[op] if valid else ""
+        e.key = (e.func, e.module, e.source)
+        out.append(e)
+    return out
+
+
+@dataclass
+class Joined:
+    """One collective joined across the ranks that issued it."""
+
+    step: int
+    group: tuple[int, ...]
+    group_name: str
+    entries: dict[int, Entry]
+    expected: tuple[int, ...]  # members that have a shard for this step
+    absent: tuple[int, ...]  # members without a (readable) shard
+    p2p: bool = False
+    order: bool = False
+    verdict: str = "matched"
+    detail: str = ""
+
+    @property
+    def func(self) -> str:
+        funcs = sorted({e.func for e in self.entries.values()})
+        return funcs[0] if len(funcs) == 1 else "/".join(funcs)
+
+    @property
+    def seq(self) -> int:
+        seqs = [e.seq for e in self.entries.values()]
+        return min(seqs) if seqs else -1
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        return tuple(r for r in self.expected if r not in self.entries)
+
+
+@dataclass
+class Finding:
+    """A problem the merge found.
+
+    Attributes:
+        kind: a verdict other than ``matched`` (see :mod:`tl_dist.merge.match`), ``missing_rank`` (no shard
+            for a rank of the world) or ``unreadable_shard`` (``strict=False`` only).
+        step: the captured step (window) it belongs to.
+        group: global ranks of the process group; ``()`` for rank-level findings.
+        seq: the group's sequence number of the collective (the lowest among ranks); -1 when none.
+        ranks: the ranks at fault (those that lack it, hang in it, or disagree with the majority).
+        message: one readable sentence.
+        where: per rank, the op's label / func / module / source / seq / state; ranks that never issued it get
+            ``absent: True`` and their last recorded op, so the user sees where each rank was.
+        primary: False for a hang explained by an earlier finding in the same group.
+    """
+
+    kind: str
+    step: int
+    group: tuple[int, ...]
+    seq: int
+    ranks: tuple[int, ...]
+    message: str
+    where: dict[int, dict[str, Any]] = field(default_factory=dict)
+    primary: bool = True
+
+    def __str__(self) -> str:
+        return f"[step {self.step}] {self.kind}: {self.message}"
+
+
+# -- alignment ----------------------------------------------------------------------------------------------
+def _align(lists: dict[int, list[Entry]], ranks: list[int]) -> list[dict[int, Entry]]:
+    """Align each rank's collectives of one group to the reference (first) rank's; returns joined slots."""
+    ref = ranks[0]
+    ref_list = lists.get(ref, [])
+    ref_keys = [e.key for e in ref_list]
+    slots: list[dict[int, Entry]] = [{ref: e} for e in ref_list]
+    # Collectives the reference lacks, by gap (they come before reference position p), merged across ranks
+    # by (key, occurrence within the gap).
+    extras: dict[int, dict[tuple, dict[int, Entry]]] = {}
+    for r in ranks[1:]:
+        lst = lists.get(r, [])
+        keys = [e.key for e in lst]
+        if keys == ref_keys:
+            for i, e in enumerate(lst):
+                slots[i][r] = e
+            continue
+        inserted: list[tuple[int, Entry]] = []
+        for _tag, i1, i2, j1, j2 in SequenceMatcher(None, ref_keys, keys, autojunk=False).get_opcodes():
+            n = min(i2 - i1, j2 - j1)
+            for k in range(n):
+                slots[i1 + k][r] = lst[j1 + k]
+            inserted.extend((i1 + n, lst[j]) for j in range(j1 + n, j2))
+        seen: dict[tuple, int] = {}
+        for gap, e in inserted:
+            occ = seen.get((gap, e.key), 0)
+            seen[(gap, e.key)] = occ + 1
+            extras.setdefault(gap, {}).setdefault((e.key, occ), {})[r] = e
+    ordered: list[dict[int, Entry]] = []
+    for p in range(len(ref_list) + 1):
+        ordered.extend(extras.get(p, {}).values())
+        if p < len(ref_list):
+            ordered.append(slots[p])
+    return ordered
+
+
+def _merge_swaps(slots: list[dict[int, Entry]], present: set[int]) -> list[tuple[dict[int, Entry], bool]]:
+    """Fold a collective one set of ranks issued early and the rest late into one slot marked ``order``."""
+    out: list[tuple[dict[int, Entry], bool]] = [(s, False) for s in slots]
+    i = 0
+    while i < len(out):
+        a, _ = out[i]
+        if set(a) != present:
+            keys = {e.key for e in a.values()}
+            for j in range(i + 1, min(i + 1 + _SWAP_WINDOW, len(out))):
+                b, _ = out[j]
+                if set(a) & set(b) or (set(a) | set(b)) != present:
+                    continue
+                if {e.key for e in b.values()} == keys and len(keys) == 1:
+                    out[i] = ({**a, **b}, True)
+                    del out[j]
+                    break
+        i += 1
+    return out
+
+
+# -- verdicts -----------------------------------------------------------------------------------------------
+def _size_problem(func: str, entries: list[Entry], group_size: int) -> str:
+    """Why the sizes break ``func``'s rule ('' when they don't)."""
+    ins = {e.rank: e.in_numel for e in entries}
+    outs = {e.rank: e.out_numel for e in entries}
+    pay = {e.rank: e.payload for e in entries}
+    if func == "barrier":
+        return ""
+    if func == "all_gather":
+        if len(set(ins.values())) > 1:
+            return f"inputs differ across ranks: {ins}"
+        bad = {r: o for r, o in outs.items() if o > 0 and o != ins[r] * group_size}
+        return f"output != input x {group_size} on ranks {bad}" if bad else ""
+    if func == "reduce_scatter":
+        if len(set(outs.values())) > 1:
+            return f"outputs differ across ranks: {outs}"
+        bad = {r: i for r, i in ins.items() if i > 0 and i != outs[r] * group_size}
+        return f"input != output x {group_size} on ranks {bad}" if bad else ""
+    if func == "all_to_all":
+        total_in, total_out = sum(ins.values()), sum(outs.values())
+        return "" if total_in == total_out else f"total input {total_in} != total output {total_out}"
+    if func == "scatter":
+        return f"outputs differ across ranks: {outs}" if len(set(outs.values())) > 1 else ""
+    if func == "all_reduce":
+        bad = {r: (ins[r], outs[r]) for r in ins if outs[r] > 0 and ins[r] > 0 and outs[r] != ins[r]}
+        if bad:
+            return f"input != output (in, out) on ranks {bad}"
+    return f"sizes differ across ranks: {pay}" if len(set(pay.values())) > 1 else ""
+
+
+def _judge(slot: Joined, group_size: int, incomplete: set[int], last_pos: dict[int, int], pos: int) -> None:
+    entries = list(slot.entries.values())
+    stuck = [e.rank for e in entries if e.state != "completed"]
+    missing = slot.missing
+    never_reached = [r for r in missing if r in incomplete and last_pos.get(r, -1) < pos]
+    if stuck or (missing and len(never_reached) == len(missing)):
+        slot.verdict = "not_completed"
+        parts = []
+        if stuck:
+            parts.append(f"issued but never completed on rank(s) {stuck}")
+        if never_reached:
+            parts.append(f"never reached by rank(s) {never_reached} (incomplete shard)")
+        skipped = [r for r in missing if r not in never_reached]
+        if skipped:
+            parts.append(f"not issued by rank(s) {skipped}")
+        slot.detail = "; ".join(parts)
+    elif slot.order:
+        seqs = {e.rank: e.seq for e in entries}
+        slot.verdict = "order"
+        slot.detail = f"issued at different positions (sequence numbers {seqs})"
+    elif missing:
+        slot.verdict = "missing"
+        slot.detail = f"not issued by rank(s) {list(missing)}"
+    elif not slot.p2p and len({e.func for e in entries}) > 1:
+        slot.verdict = "type_mismatch"
+        slot.detail = "different collectives: " + ", ".join(f"rank {e.rank} {e.func}" for e in entries)
+    elif len({e.dtype for e in entries}) > 1:
+        slot.verdict = "dtype_mismatch"
+        slot.detail = "different dtypes: " + ", ".join(f"rank {e.rank} {e.dtype}" for e in entries)
+    else:
+        problem = "" if slot.p2p else _size_problem(entries[0].func, entries, group_size)
+        if slot.p2p and len({e.payload for e in entries}) > 1:
+            problem = "send and recv sizes differ: " + ", ".join(
+                f"rank {e.rank} {e.payload}" for e in entries
+            )
+        if problem:
+            slot.verdict = "size_mismatch"
+            slot.detail = problem
+
+
+def _culprits(slot: Joined) -> tuple[int, ...]:
+    """The ranks to blame: those lacking it or stuck, else the minority of a split vote."""
+    if slot.verdict == "not_completed":
+        stuck = [r for r, e in slot.entries.items() if e.state != "completed"]
+        return tuple(sorted(set(stuck) | set(slot.missing)))
+    if slot.verdict == "missing":
+        return slot.missing
+    attr = {
+        "type_mismatch": lambda e: e.func,
+        "dtype_mismatch": lambda e: e.dtype,
+        "size_mismatch": lambda e: (e.in_numel, e.out_numel),
+        "order": lambda e: e.seq,
+    }.get(slot.verdict)
+    if attr is None:
+        return ()
+    votes: dict[Any, list[int]] = {}
+    for r, e in slot.entries.items():
+        votes.setdefault(attr(e), []).append(r)
+    if len(votes) < 2:
+        return tuple(sorted(slot.entries))
+    groups = sorted(votes.values(), key=lambda rs: (-len(rs), rs))
+    return tuple(sorted(r for rs in groups[1:] for r in rs))
+
+
+# -- per step -----------------------------------------------------------------------------------------------
+def match_step(
+    step: int,
+    entries: dict[int, list[Entry]],
+    *,
+    incomplete: set[int],
+    absent: set[int],
+    last_op: dict[int, dict[str, Any]],
+) -> tuple[list[Joined], list[Finding]]:
+    """Join one step's collectives across ranks and judge them.
+
+    Args:
+        step: the step these shards captured.
+        entries: per rank with a shard, its collectives (:func:`entries_of`).
+        incomplete: ranks whose shard is marked incomplete (written at a crash, hang or signal).
+        absent: ranks of the world without a readable shard for this step.
+        last_op: per rank, where its last recorded op was (reported for ranks that never reached a collective).
+
+    Returns:
+        The joined collectives (in group, then issue order) and the findings about them.
+    """
+    groups: dict[tuple[int, ...], dict[int, list[Entry]]] = {}
+    names: dict[tuple[int, ...], str] = {}
+    p2p: dict[tuple, dict[str, list[Entry]]] = {}
+    for rank, lst in entries.items():
+        for e in lst:
+            kind = P2P_FUNCS.get(e.func)
+            if kind is not None:
+                src, dst = (rank, e.peer) if kind == "send" else (e.peer, rank)
+                p2p.setdefault((e.group, src, dst), {"send": [], "recv": []})[kind].append(e)
+            else:
+                groups.setdefault(e.group, {}).setdefault(rank, []).append(e)
+                names.setdefault(e.group, e.group_name)
+
+    joined: list[Joined] = []
+    findings: list[Finding] = []
+    for group in sorted(groups):
+        per_rank = groups[group]
+        for lst in per_rank.values():
+            lst.sort(key=lambda e: (e.seq if e.seq >= 0 else float("inf"), e.op))
+        present = [r for r in group if r in entries]
+        if not present:
+            continue
+        slots = _merge_swaps(_align(per_rank, present), set(present))
+        last_pos: dict[int, int] = {}
+        group_joined = []
+        for pos, (slot_entries, order) in enumerate(slots):
+            for r in slot_entries:
+                last_pos[r] = pos
+            group_joined.append(
+                Joined(
+                    step,
+                    group,
+                    names[group],
+                    slot_entries,
+                    tuple(present),
+                    tuple(r for r in group if r in absent),
+                    order=order,
+                )
+            )
+        for pos, slot in enumerate(group_joined):
+            _judge(slot, len(group), incomplete, last_pos, pos)
+        joined.extend(group_joined)
+        findings.extend(_findings(group_joined, last_op))
+
+    for (group, src, dst), sides in sorted(p2p.items()):
+        if src in absent or dst in absent or src not in entries or dst not in entries:
+            continue
+        sends, recvs = sides["send"], sides["recv"]
+        pairs = []
+        for n in range(max(len(sends), len(recvs))):
+            slot_entries = {}
+            if n < len(sends):
+                slot_entries[src] = sends[n]
+            if n < len(recvs):
+                slot_entries[dst] = recvs[n]
+            pairs.append(
+                Joined(step, group, (sends or recvs)[0].group_name, slot_entries, (src, dst), (), p2p=True)
+            )
+        last_pos = {src: len(sends) - 1, dst: len(recvs) - 1}
+        for pos, slot in enumerate(pairs):
+            _judge(slot, 2, incomplete, last_pos, pos)
+        joined.extend(pairs)
+        findings.extend(_findings(pairs, last_op))
+    return joined, findings
+
+
+def _findings(slots: list[Joined], last_op: dict[int, dict[str, Any]]) -> list[Finding]:
+    out: list[Finding] = []
+    for slot in slots:
+        if slot.verdict == "matched":
+            continue
+        where = {r: e.where() for r, e in sorted(slot.entries.items())}
+        for r in slot.missing:
+            where[r] = {"absent": True, **{f"last_{k}": v for k, v in last_op.get(r, {}).items()}}
+        first = next(iter(slot.entries.values()))
+        at = f"{first.label} in {first.module or '<top>'} ({first.source or 'no source'})"
+        kind = "p2p " if slot.p2p else ""
+        message = f"{kind}{slot.func} seq {slot.seq} of group {list(slot.group)} at {at}: {slot.detail}"
+        out.append(
+            Finding(
+                slot.verdict,
+                slot.step,
+                slot.group,
+                slot.seq,
+                _culprits(slot),
+                message,
+                where,
+                # A hang after an earlier desync in the same group is that desync's consequence.
+                primary=not (slot.verdict == "not_completed" and out),
+            )
+        )
+    return out

@@ -1,0 +1,87 @@
+"""Time analysis on aligned clocks: per-collective arrival skew and wait, stragglers, compute vs communication.
+
+All times here are on the reference clock (each rank's times minus its offset from :mod:`.clocks`). A member's
+*arrival* is when it issued the collective; its *wait* is the time from its arrival to the last member's arrival,
+i.e. the time it spent blocked on others. The last member to arrive *caused* the others' waits: summed per step,
+that ranks the stragglers (HTA's straggler view).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .match import Joined
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+
+def collective_timing(j: Joined, offsets: dict[int, int]) -> dict[str, Any]:
+    """Aligned timing of one joined collective: first arrival, skew, duration, last rank and each rank's wait.
+
+    Only members that issued it count; times are -1 when fewer than one member completed it.
+    """
+    arrivals = {r: e.issue_ns - offsets.get(r, 0) for r, e in j.entries.items()}
+    completes = [e.complete_ns - offsets.get(r, 0) for r, e in j.entries.items() if e.complete_ns >= 0]
+    if not arrivals:
+        return {"start_ns": -1, "skew_ns": -1, "duration_ns": -1, "last_rank": -1, "waits": {}}
+    first = min(arrivals.values())
+    last_rank = max(arrivals, key=lambda r: (arrivals[r], -r))
+    last = arrivals[last_rank]
+    return {
+        "start_ns": first,
+        "skew_ns": last - first,
+        "duration_ns": (max(completes) - first) if completes else -1,
+        "last_rank": last_rank if len(arrivals) > 1 else -1,
+        "waits": {r: last - a for r, a in arrivals.items()},
+    }
+
+
+def straggler_rows(joined: list[Joined], timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (step, rank): waits it caused others (as last arriver), times it was last, and its own wait."""
+    acc: dict[tuple[int, int], dict[str, Any]] = {}
+    for j, t in zip(joined, timings):
+        if j.p2p or len(j.entries) < 2 or j.verdict == "not_completed":
+            continue
+        for r, w in t["waits"].items():
+            row = acc.setdefault((j.step, r), {"caused_wait_ns": 0, "last_count": 0, "wait_ns": 0})
+            row["wait_ns"] += w
+        last = t["last_rank"]
+        if last >= 0:
+            row = acc[(j.step, last)]
+            row["caused_wait_ns"] += sum(t["waits"].values())
+            row["last_count"] += 1
+    return [{"step": s, "rank": r, **v} for (s, r), v in acc.items()]
+
+
+def time_breakdown(step: int, rank: int, trace: Trace, waits_ns: int) -> dict[str, Any]:
+    """Compute vs communication time of one rank's window.
+
+    ``comm_ns`` sums the collective ops' host time (blocking collectives include their wait); for async
+    collectives the time from issue to observed completion is used instead, since the op itself only
+    enqueues. ``compute_ns`` sums every other op's duration. ``window_ns`` spans first op start to last op end.
+    """
+    cols = trace.columns
+    kinds, durations, starts = cols["kind"], cols["duration_ns"], cols["start_ns"]
+    ct = trace.collective_table
+    async_ops = {
+        int(op): int(c) - int(i)
+        for op, a, i, c in zip(ct["op"], ct["is_async"], ct["issue_ns"], ct["complete_ns"])
+        if a and c >= 0
+    }
+    compute = comm = 0
+    for i, (k, d) in enumerate(zip(kinds, durations)):
+        if k == "collective":
+            comm += async_ops.get(i, d)
+        else:
+            compute += d
+    window = (max(s + d for s, d in zip(starts, durations)) - min(starts)) if starts else 0
+    return {
+        "step": step,
+        "rank": rank,
+        "ops": len(kinds),
+        "compute_ns": compute,
+        "comm_ns": comm,
+        "wait_ns": waits_ns,
+        "window_ns": window,
+    }
