@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from .schema import COLLECTIVE_FIELDS, OP_FIELDS, empty_columns, field_names
+from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .selectors import Selector
 
 _OP_FIELD_NAMES = frozenset(field_names(OP_FIELDS))
@@ -50,6 +50,27 @@ class Op:
         if saved is None:
             return None
         return saved[0] if len(saved) == 1 else tuple(saved)
+
+    @property
+    def grad(self) -> torch.Tensor | tuple | None:
+        """Gradient of the loss w.r.t. this op's output (tuple for multi-output ops); None if not captured.
+
+        Example:
+            >>> with tl.capture(save_grads=tl.func("relu")) as cap:
+            ...     model(x).sum().backward()
+            >>> cap.trace["relu_2"].grad.shape
+        """
+        grads = self._trace.grads.get(self.index)
+        if grads is None:
+            return None
+        return grads[0] if len(grads) == 1 else tuple(grads)
+
+    @property
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Recorded statistics: ``{"out": {"mean": ..., "nan": ...}, "grad": {...}}`` (``stats=`` option)."""
+        from .training import op_stats
+
+        return op_stats(self._trace, self.index)
 
     @property
     def children(self) -> tuple[int, ...]:
@@ -137,6 +158,9 @@ class Trace:
         output: Any = None,
         metadata: dict[str, Any] | None = None,
         failed_op: dict[str, Any] | None = None,
+        grads: dict[int, list] | None = None,
+        stats_table: dict[str, list] | None = None,
+        recorder: Any = None,
     ) -> None:
         missing = [n for n in field_names(OP_FIELDS) if n not in columns]
         if missing:
@@ -151,6 +175,9 @@ class Trace:
         self.output = output
         self.metadata = metadata or {}
         self.failed_op = failed_op
+        self.grads = grads if grads is not None else {}  # op -> gradient per output (tl_dist.training)
+        self.stats_table = stats_table if stats_table is not None else empty_columns(STAT_FIELDS)
+        self._recorder = recorder  # the live recorder, for log_backward; None for loaded traces
         self._labels: dict[str, int] | None = None
         self._children: list[tuple[int, ...]] | None = None
 
@@ -266,6 +293,36 @@ class Trace:
         from .views.draw import draw
 
         return draw(self, path, format=format, depth=depth)
+
+    def log_backward(self, loss: torch.Tensor) -> Trace:
+        """Run ``loss.backward()`` and record its ops (and gradients, per ``save_grads``) into this trace.
+
+        Backward ops are appended after the forward ops; labels keep counting. ``loss`` must be built from
+        ``trace.output`` or activations saved with ``keep_graph=True``.
+
+        Example:
+            >>> trace = tl.trace(model, x, save_grads=True)
+            >>> trace.log_backward(loss_fn(trace.output, y))
+            >>> trace["relu_2"].grad
+        """
+        from .training import log_backward
+
+        return log_backward(self, loss)
+
+    def first_nonfinite(self) -> Op | None:
+        """The first op, in execution order, whose output or gradient held NaN or Inf (None if none did).
+
+        Uses the ``stats=`` table; without it, the saved outputs and gradients. The op's ``.module`` and
+        ``.source`` say where it ran.
+
+        Example:
+            >>> with tl.capture(stats=True) as cap:
+            ...     model(x).sum().backward()
+            >>> op = cap.trace.first_nonfinite(); op.label, op.module, op.source
+        """
+        from .training import first_nonfinite
+
+        return first_nonfinite(self)
 
     def validate(self, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5) -> Any:
         """Re-execute every saved op from its parents' saved outputs and check it reproduces its saved output."""

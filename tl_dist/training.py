@@ -1,0 +1,331 @@
+"""Training-step capture: phases, backward -> forward links, per-op gradients and on-device statistics.
+
+The recorder owns one :class:`TrainingState`. It touches the per-op hot path in three cheap places:
+
+- ``phase`` comes from one C call (``torch._C._current_graph_task_id()``: not -1 while the autograd engine runs
+  a graph task) plus an attribute the optimizer step hooks set (``recorder.phase``).
+- A forward op's outputs get their ``grad_fn`` only after the dispatch mode returns (autograd sets history
+  above it), so the recorder parks them in ``recorder.pending`` and :meth:`TrainingState.link_pending` reads
+  their ``grad_fn`` at the next dispatch. The node's ``metadata`` dict then carries ``(token, op index)``;
+  a backward op looks up ``torch._C._current_autograd_node().metadata`` to find the forward op it
+  differentiates. Keeping the link on the node (not in a dict of node objects) keeps no graph alive.
+- Gradients and gradient statistics come from a pre-hook on the forward op's node: it receives the gradient
+  of the loss w.r.t. each of the node's outputs, i.e. w.r.t. the op's outputs as they were produced (an
+  in-place op later rebases the tensor on a new node; the old node still receives the gradient of the old
+  value).
+
+Statistics are reductions kept as small device tensors and moved to the host once, when the window ends, so
+there is no host sync per op. See :data:`tl_dist.schema.STAT_FIELDS` for the columns.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .errors import TlDistError
+from .schema import STAT_FIELDS, empty_columns, field_names
+
+if TYPE_CHECKING:
+    from ._recorder import Recorder
+    from .trace import Op, Trace
+
+Tensor = torch.Tensor
+_KEY = "_tl_src"  # key in an autograd node's metadata: (capture token, forward op index)
+_current_node = torch._C._current_autograd_node
+_STAT_NAMES = field_names(STAT_FIELDS)[3:]  # the value columns after op, of, at
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def backward_link(token: object) -> int:
+    """Index of the forward op whose autograd node is running now (-1 when unknown); called per backward op."""
+    node = _current_node()
+    if node is None:
+        return -1
+    link = node.metadata.get(_KEY)
+    return link[1] if link is not None and link[0] is token else -1
+
+
+def tensor_stats(t: Tensor) -> Tensor | None:
+    """mean, std, min, max, L2 norm, fraction of zeros, NaN count, Inf count of ``t`` as one device tensor.
+
+    None for tensors that are empty or not floating point. ``std`` is the population std (correction 0), so a
+    one-element tensor has std 0, not NaN. No host sync: the result stays on ``t``'s device.
+
+    Example:
+        >>> tensor_stats(torch.tensor([0.0, 2.0]))
+        tensor([1., 1., 0., 2., 2., 0.5, 0., 0.])
+    """
+    if t.dtype not in _FLOATS or t.numel() == 0:
+        return None
+    x = t.detach()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    std, mean = torch.std_mean(x, correction=0)
+    lo, hi = torch.aminmax(x)
+    n = x.numel()
+    return torch.stack(
+        (
+            mean,
+            std,
+            lo,
+            hi,
+            torch.linalg.vector_norm(x),
+            (x == 0).sum() / n,
+            torch.isnan(x).sum(),
+            torch.isinf(x).sum(),
+        )
+    )
+
+
+class TrainingState:
+    """Phase hooks, backward links, gradient hooks and statistics of one capture (owned by its Recorder)."""
+
+    def __init__(self, recorder: Recorder, *, save_grads: Any, stats: Any) -> None:
+        self.rec = recorder
+        self.grads_all = save_grads is True
+        self.grads_selector = None if save_grads is True or save_grads is None else save_grads
+        self.stats_all = stats is True
+        self.stats_selector = None if stats is True or stats is None else stats
+        self.stats_on = stats is not None
+        self.hooks_on = save_grads is not None or stats is not None
+        self.grads: dict[int, list[Tensor | None]] = {}
+        # (op index, "out" | "grad", op count when computed, device tensor of the 8 values)
+        self._stat_rows: list[tuple[int, str, int, Tensor]] = []
+        self.stats_table = empty_columns(STAT_FIELDS)
+        self.open = True  # gradient hooks act only while a window (or log_backward) is running
+        self._node_handles: list[Any] = []
+        self._opt_handles: list[Any] = []
+
+    # -- window -------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Global optimizer step hooks: ops inside ``optimizer.step()`` get phase ``optimizer``."""
+        rec = self.rec
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            rec.phase = "optimizer"
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            rec.phase = "forward"
+
+        self._opt_handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        self.open = True
+
+    def uninstall(self, *, keep_node_hooks: bool = False) -> None:
+        """Removes the optimizer hooks and links the last op; node hooks stay (inert) only for log_backward."""
+        for handle in self._opt_handles:
+            handle.remove()
+        self._opt_handles = []
+        self.rec.phase = "forward"
+        if self.rec.pending is not None:
+            self.link_pending()
+        self.open = False
+        if not keep_node_hooks:
+            for handle in self._node_handles:
+                handle.remove()
+            self._node_handles = []
+
+    def finish(self) -> dict[str, list]:
+        """Moves the statistics to the host (one transfer) and returns the stats table's columns."""
+        rows = self._stat_rows
+        table = self.stats_table
+        if not rows:
+            return table
+        # One stack per device, then one copy to the host: the only sync of the whole window.
+        by_device: dict[torch.device, list[int]] = {}
+        for k, row in enumerate(rows):
+            by_device.setdefault(row[3].device, []).append(k)
+        values: list[list[float] | None] = [None] * len(rows)
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            for ks in by_device.values():
+                host = torch.stack([rows[k][3].to(torch.float64) for k in ks]).cpu().tolist()
+                for k, v in zip(ks, host):
+                    values[k] = v
+        for (op, of, at, _), v in zip(rows, values):
+            table["op"].append(op)
+            table["of"].append(of)
+            table["at"].append(at)
+            for name, x in zip(_STAT_NAMES, v):
+                table[name].append(int(x) if name in ("nan", "inf") else x)
+        self._stat_rows = []
+        return table
+
+    # -- per op (called by Recorder.on_op) ------------------------------------------------------------------
+    def out_stats(self, index: int, outs: list[Tensor], row: tuple) -> None:
+        """Statistics of op ``index``'s first floating-point output, if the op is selected."""
+        if not self.stats_all:
+            from ._recorder import RowView
+
+            if not self.stats_selector.match(RowView(row)):
+                return
+        elif row[4] == "view":  # a view's values are its base's, already counted at the op that made them
+            return
+        for o in outs:
+            if o.dtype in _FLOATS:
+                with torch._C._DisableTorchDispatch(), torch.no_grad():
+                    values = tensor_stats(o)
+                if values is not None:
+                    self._stat_rows.append((index, "out", index, values))
+                return
+
+    def link_pending(self) -> None:
+        """Tags the autograd nodes of the previous op's outputs with that op; adds gradient hooks if selected."""
+        rec = self.rec
+        index, outs = rec.pending
+        rec.pending = None
+        token = rec.token
+        link = (token, index)
+        nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+        for pos, o in enumerate(outs):
+            node = o.grad_fn
+            if node is None:
+                continue
+            meta = node.metadata
+            old = meta.get(_KEY)
+            if old is None or old[0] is not token:
+                meta[_KEY] = link
+            elif old[1] != index:
+                continue  # the output is an earlier op's tensor passed through; that op owns the node
+            if self.hooks_on:
+                entry = nodes.get(id(node))
+                if entry is None:
+                    entry = nodes[id(node)] = (node, [])
+                entry[1].append((pos, o.output_nr))
+        if nodes and self._wants_grad(index):
+            n_out = len(outs)
+            for node, positions in nodes.values():
+                self._node_handles.append(node.register_prehook(self._grad_hook(index, n_out, positions)))
+
+    def _wants_grad(self, index: int) -> bool:
+        if self.grads_all or self.stats_all:
+            return True
+        from ._recorder import RowView
+
+        view = RowView(self.rec.rows[index], tuple(self.rec.output_of.get(index, ())))
+        return any(s is not None and s.match(view) for s in (self.grads_selector, self.stats_selector))
+
+    def _grad_hook(self, index: int, n_out: int, positions: list[tuple[int, int]]) -> Any:
+        rec = self.rec
+        keep = self.grads_all
+        stats = self.stats_all
+        if not (keep and stats):
+            from ._recorder import RowView
+
+            view = RowView(rec.rows[index], tuple(rec.output_of.get(index, ())))
+            keep = keep or (self.grads_selector is not None and self.grads_selector.match(view))
+            stats = stats or (self.stats_selector is not None and self.stats_selector.match(view))
+
+        def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            if not self.open:
+                return
+            # Our own ops (detach, reductions) must not become rows of the trace.
+            with torch._C._DisableTorchDispatch(), torch.no_grad():
+                for pos, nr in positions:
+                    g = grad_outputs[nr] if nr < len(grad_outputs) else None
+                    if g is None:
+                        continue
+                    if keep:
+                        saved = self.grads.get(index)
+                        if saved is None:
+                            saved = self.grads[index] = [None] * n_out
+                        saved[pos] = g.detach() if g.requires_grad else g
+                        # An in-place write later in the window (grad accumulation into .grad) must not
+                        # change the stored gradient: copy-before-write, as for saved outputs.
+                        rec._watch(g, (index, 2, pos))
+                    if stats and pos == positions[0][0]:
+                        values = tensor_stats(g)
+                        if values is not None:
+                            self._stat_rows.append((index, "grad", rec.n_ops, values))
+
+        return hook
+
+
+# -- trace-side API -------------------------------------------------------------------------------------------
+def log_backward(trace: Trace, loss: Tensor) -> Trace:
+    """Runs ``loss.backward()`` under the trace's recorder; see :meth:`tl_dist.trace.Trace.log_backward`."""
+    from .capture import _active, _CaptureMode
+
+    rec = getattr(trace, "_recorder", None)
+    if rec is None:
+        raise TlDistError(
+            "log_backward needs a trace recorded in this process by tl.trace or tl.capture; "
+            "a trace loaded from a shard cannot run backward"
+        )
+    if not isinstance(loss, Tensor):
+        raise ValueError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss must require grad: build it from trace.output (or keep_graph=True activations) "
+            "with autograd enabled, not under torch.no_grad()"
+        )
+    if _active:
+        raise TlDistError("log_backward cannot run inside an active tl_dist capture window")
+    training = rec.training
+    mode = _CaptureMode(rec)
+    training.open = True
+    # Everything loss.backward() dispatches is backward here, the seed gradient (ones_like) included.
+    rec.phase = "backward"
+    try:
+        with mode:
+            loss.backward()
+    finally:
+        training.open = False
+        rec.phase = "forward"
+    trace.columns = rec.columns()
+    trace._labels = None
+    trace._children = None
+    trace.grads = training.grads
+    trace.stats_table = training.finish()
+    return trace
+
+
+def first_nonfinite(trace: Trace) -> Op | None:
+    """The first op, in execution order, whose output or gradient held NaN or Inf; None if none did."""
+    from .trace import Op
+
+    table = trace.stats_table
+    if table["op"]:
+        best: tuple[int, int] | None = None
+        for op, at, nan, inf in zip(table["op"], table["at"], table["nan"], table["inf"]):
+            if (nan or inf) and (best is None or at < best[0]):
+                best = (at, op)
+        return None if best is None else Op(trace, best[1])
+    if not trace.saved and not trace.grads:
+        raise TlDistError(
+            "first_nonfinite needs values to inspect: capture with stats=True (cheap) or save=/save_grads="
+        )
+    # No statistics: inspect saved outputs in op order, then saved gradients (computed later, in backward).
+    for index in sorted(trace.saved):
+        if any(_nonfinite(t) for t in trace.saved[index]):
+            return Op(trace, index)
+    for index in sorted(trace.grads, reverse=True):  # backward visits the last forward op first
+        if any(_nonfinite(t) for t in trace.grads[index]):
+            return Op(trace, index)
+    return None
+
+
+def _nonfinite(t: Tensor | None) -> bool:
+    return t is not None and t.dtype in _FLOATS and not bool(torch.isfinite(t).all())
+
+
+def op_stats(trace: Trace, index: int) -> dict[str, dict[str, float]]:
+    """``{"out": {...}, "grad": {...}}`` for op ``index`` (keys present only when recorded)."""
+    table = trace.stats_table
+    found: dict[str, dict[str, float]] = {}
+    for k, op in enumerate(table["op"]):
+        if op == index:
+            found[table["of"][k]] = {name: table[name][k] for name in _STAT_NAMES}
+    return found
+
+
+def check_selection(value: Any, name: str) -> Any:
+    """``True``, ``None`` or a selector; anything else is a ValueError naming the option."""
+    from .selectors import Selector
+
+    if value is True or value is None or isinstance(value, Selector):
+        return value
+    raise ValueError(
+        f"{name} must be True (all ops), None (none) or a selector such as tl.func('relu'); got {value!r}"
+    )
