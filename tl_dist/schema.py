@@ -63,7 +63,12 @@ OP_FIELDS: tuple[Field, ...] = (
         "int",
         "Row in the trace's module-call table of the innermost call; -1 outside modules.",
     ),
-    Field("out_shapes", "shapes", "Shape of each tensor the op returned."),
+    Field(
+        "out_shapes",
+        "shapes",
+        "Shape of each tensor the op returned; an in-place write into a view (`y[:, 0] = 0`) also lists the "
+        "view's base, whose value it changed, after the returned tensors.",
+    ),
     Field("dtype", "str", "dtype of the first tensor output ('' when none)."),
     Field("device", "str", "Device of the first tensor output ('' when none)."),
     Field("out_bytes", "int", "Bytes of all tensor outputs together."),
