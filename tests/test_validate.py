@@ -1,0 +1,198 @@
+"""trace.validate(): replaying saved ops from their parents' saved outputs; skips, mismatches, side effects."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tl_dist as tl
+from tl_dist.validate import ValidationReport
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class WriteThroughView(nn.Module):
+    def forward(self, x):
+        y = x.clone()
+        y[:, 0] = 0.0  # fill_ on a select view of y
+        return y * 2  # reads y: must depend on the fill_, not on clone's (pre-write) value
+
+
+class CountingBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.fc(x) + self.calls
+
+
+@pytest.fixture
+def net():
+    return Net(), torch.randn(5, 4)
+
+
+def _trace(model, x, **kwargs):
+    # no_grad: with grad enabled autograd adds detach ops (relu saves its output), changing the op lists below
+    with torch.no_grad():
+        return tl.trace(model, x, **kwargs)
+
+
+def test_clean_trace_passes_and_counts(net):
+    model, x = net
+    trace = _trace(model, x)
+    report = trace.validate()
+    assert isinstance(report, ValidationReport)
+    assert report and report.passed
+    # t, addmm (fc1), relu, t, addmm (fc2): every op saved, none skipped
+    assert [op.func for op in trace] == ["t", "addmm", "relu", "t", "addmm"]
+    assert (report.checked, report.n_skipped, report.n_mismatched) == (5, 0, 0)
+    assert str(report).startswith("validation passed: 5 ops replayed, 0 mismatched, 0 skipped")
+
+
+def test_tampered_saved_output_is_reported_with_label_and_difference(net):
+    model, x = net
+    trace = _trace(model, x)
+    relu = trace["relu_1"]
+    trace.saved[relu.index][0] = relu.out + 0.25  # relu_1 no longer matches its replay from addmm_1
+    report = trace.validate()
+    assert not report
+    # relu_1 itself differs by 0.25; addmm_2 replayed from the tampered relu_1 differs from its saved output
+    assert [m.label for m in report.mismatches] == ["relu_1", "addmm_2"]
+    assert report.mismatches[0].max_abs_diff == pytest.approx(0.25)
+    assert report.mismatches[1].max_abs_diff > 0
+    text = str(report)
+    assert "FAILED" in text and "mismatch relu_1: max abs diff 0.25" in text
+    with pytest.raises(tl.ValidationError, match=r"relu_1 \(max abs diff 0.25\).*addmm_2"):
+        trace.validate(raise_on_mismatch=True)
+
+
+def test_tolerances_decide_what_counts_as_a_mismatch(net):
+    model, x = net
+    trace = _trace(model, x)
+    relu = trace["relu_1"]
+    trace.saved[relu.index][0] = relu.out * (1 + 1e-7)  # a relative error far inside rtol=1e-5
+    assert trace.validate()  # defaults atol=1e-6, rtol=1e-5
+    strict = trace.validate(atol=0.0, rtol=0.0)
+    assert not strict and strict.mismatches[0].label == "relu_1"
+    assert 0 < strict.mismatches[0].max_abs_diff < 1e-6
+
+
+def test_shape_change_is_a_mismatch(net):
+    model, x = net
+    trace = _trace(model, x)
+    trace.saved[trace["relu_1"].index][0] = torch.zeros(2, 2)
+    report = trace.validate()
+    first = report.mismatches[0]
+    assert first.label == "relu_1" and math.isinf(first.max_abs_diff) and "shape" in first.detail
+
+
+def test_skips_name_their_reason():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.ReLU()).train()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        trace = _trace(model, x)
+    # CPU dropout: mask = empty_like(x).bernoulli_(1 - p).div_(1 - p); x * mask
+    assert [op.label for op in trace] == [
+        *("t_1", "addmm_1", "empty_like_1", "bernoulli__1", "div__1", "mul_1", "relu_1")
+    ]
+    report = trace.validate()
+    assert report.skipped == {
+        "empty_like_1": "returns uninitialised memory",
+        "bernoulli__1": "nondeterministic op (random numbers)",
+    }
+    # div_ replays from bernoulli_'s saved mask, so everything downstream of the random draw is still checked
+    assert report.checked == 5 and report
+
+    with torch.no_grad():
+        partial = tl.trace(model.eval(), x, save=tl.func("relu"))
+    report = partial.validate()
+    # in eval mode dropout runs no op: relu reads addmm_1, whose output was not saved
+    assert report.skipped == {"relu_1": "input from addmm_1 (output 0) was not saved"}
+    assert report.checked == 0 and report
+
+
+def test_uninitialised_memory_is_skipped():
+    class Empty(nn.Module):
+        def forward(self, x):
+            buf = torch.empty(3, 3)
+            buf.copy_(x)
+            return buf + 1
+
+    with torch.no_grad():
+        trace = tl.trace(Empty(), torch.randn(3, 3))
+    assert [op.label for op in trace] == ["empty_1", "copy__1", "add_1"]
+    report = trace.validate()
+    assert report.skipped == {"empty_1": "returns uninitialised memory"}
+    # copy_ reads empty_1's saved (uninitialised) value but overwrites all of it, so it still replays exactly
+    assert report.checked == 2 and report
+
+
+def test_write_through_view_is_a_dependency():
+    x = torch.randn(3, 4)
+    trace = tl.trace(WriteThroughView(), x)
+    fill, mul = trace["fill__1"], trace["mul_1"]
+    # fill_ returns the view and lists y (its base) as a second output: mul reads that one
+    assert fill.out_shapes == (torch.Size([3]), torch.Size([3, 4]))
+    assert mul.parents == (fill.index,)
+    expected = x.clone()
+    expected[:, 0] = 0
+    assert torch.equal(trace.saved[fill.index][1], expected)
+    assert torch.equal(trace["clone_1"].out, x)  # the pre-write value stays what clone produced
+    report = trace.validate()
+    assert report and report.checked == 5, str(report)
+
+
+def test_replay_changes_neither_model_nor_saved_tensors():
+    model = CountingBuffer()
+    x = torch.randn(2, 3)
+    trace = _trace(model, x)
+    assert model.calls.item() == 1
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_saved = {i: [t.clone() for t in outs] for i, outs in trace.saved.items()}
+    report = trace.validate()
+    # add__1 wrote into the buffer: its replay must start from the value before the write (0 -> 1)
+    assert report and report.checked == len(trace), str(report)
+    assert trace["add__1"].params == ("calls",)
+    assert model.calls.item() == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_state[k]), k
+    for i, outs in trace.saved.items():
+        for a, b in zip(outs, before_saved[i]):
+            assert torch.equal(a, b), trace[i].label
+    assert not hasattr(model.calls, "_tl_src")
+
+
+def test_replay_runs_without_grad(net):
+    model, x = net
+    trace = _trace(model, x)
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(torch.is_grad_enabled())
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        assert trace.validate()
+    assert seen and not any(seen)
+
+
+def test_bad_tolerances_name_the_argument(net):
+    model, x = net
+    trace = _trace(model, x)
+    with pytest.raises(ValueError, match="atol"):
+        trace.validate(atol=-1.0)
+    with pytest.raises(ValueError, match="rtol"):
+        trace.validate(rtol="0.1")
