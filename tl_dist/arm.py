@@ -59,7 +59,7 @@ def _run_metadata() -> dict[str, Any]:
         "backend": backend,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
         "start_time_ns": time.time_ns(),
     }
 

@@ -178,8 +178,13 @@ def write_shard(
             root.attrs["metadata"] = _json_attr(meta)
             # Run facts also as plain attributes so `h5dump -A` shows them without JSON.
             for key, value in meta.items():
-                if isinstance(value, (bool, int, float, str)) and key not in root.attrs:
-                    root.attrs[key] = value
+                if key in root.attrs:
+                    continue
+                # Exact base types: h5py has no conversion for subclasses such as torch's TorchVersion.
+                for base in (bool, int, float, str):
+                    if isinstance(value, base):
+                        root.attrs[key] = base(value)
+                        break
             root.attrs["failed_op"] = _json_attr(trace.failed_op)
             write_table(root, "ops", OP_FIELDS, trace.columns, options)
             write_table(root, "modules", MODULE_CALL_FIELDS, trace.module_table, options)

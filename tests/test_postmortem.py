@@ -1,0 +1,176 @@
+"""Post-mortem shards: an exception, SIGTERM, SIGUSR1 or SIGKILL during armed windows leaves loadable evidence."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tl_dist as tl
+
+
+@pytest.fixture(autouse=True)
+def _disarm_after():
+    yield
+    tl.disarm()
+
+
+class Bad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.proj = torch.randn(5, 5)
+
+    def forward(self, x):
+        return torch.mm(torch.relu(self.fc(x)), self.proj)  # 3x4 @ 5x5: mm raises
+
+
+def test_exception_in_window_leaves_incomplete_shard_naming_the_op(tmp_path):
+    rank_dir = tl.arm(tmp_path, save=True)
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        with tl.capture(step=12):
+            Bad()(torch.randn(3, 4))
+    trace = tl.load(rank_dir / "step00000012.h5")
+    assert trace.metadata["complete"] is False and trace.metadata["end_reason"] == "exception"
+    assert trace.metadata["error"].startswith("RuntimeError: ")
+    assert trace.failed_op["func"] == "mm" and trace.failed_op["aten"] == "aten.mm.default"
+    assert trace.failed_op["index"] == len(trace)  # the op that raised has no row: it never finished
+    assert trace.failed_op["source"].endswith("test_postmortem.py:31")
+    # The ops before the failure are there, with their saved outputs.
+    assert "relu" in [op.func for op in trace] and trace["relu_1"].out.shape == (3, 4)
+
+
+def _spawn(tmp_path, body, *args):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(body))
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(path: Path, proc, timeout=90.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+BUSY_WINDOW = """
+    import sys, signal, torch, tl_dist as tl
+    from pathlib import Path
+    out = Path(sys.argv[1])
+    if sys.argv[2] == "own-handler":
+        def mine(signum, frame):
+            (out / "own-handler-ran").write_text(str(signum))
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, mine)
+    tl.arm(out / "run")
+    with tl.capture(step=3):
+        x = torch.ones(16)
+        (out / "ready").touch()
+        while not (out / "finish").exists():
+            for _ in range(50):
+                x = x.add(1).mul(0.5)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_in_window_writes_incomplete_shard_and_terminates(tmp_path):
+    proc = _spawn(tmp_path, BUSY_WINDOW, "default")
+    _wait_for(tmp_path / "ready", proc)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM  # the default action still ran after the post-mortem
+    trace = tl.load(tmp_path / "run" / "rank00000" / "step00000003.h5")
+    assert trace.metadata["complete"] is False and trace.metadata["end_reason"] == "SIGTERM"
+    funcs = [op.func for op in trace]
+    assert funcs[0] == "ones" and funcs.count("add") > 10
+    if trace.failed_op is not None:  # the signal landed inside an op: it is named as in flight
+        assert trace.failed_op["func"] in ("add", "mul") and trace.failed_op["index"] == len(trace)
+
+
+@pytest.mark.slow
+def test_sigterm_chains_to_previous_python_handler(tmp_path):
+    proc = _spawn(tmp_path, BUSY_WINDOW, "own-handler")
+    _wait_for(tmp_path / "ready", proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 3
+    assert (tmp_path / "own-handler-ran").read_text() == str(int(signal.SIGTERM))
+    trace = tl.load(tmp_path / "run" / "rank00000" / "step00000003.h5")
+    # sys.exit in the user's handler unwound the window: SystemExit is an exception inside it.
+    assert trace.metadata["complete"] is False
+    assert trace.metadata["end_reason"] in ("SIGTERM", "exception")
+
+
+@pytest.mark.slow
+def test_sigusr1_snapshots_and_the_window_still_completes(tmp_path):
+    proc = _spawn(tmp_path, BUSY_WINDOW, "default")
+    _wait_for(tmp_path / "ready", proc)
+    shard = tmp_path / "run" / "rank00000" / "step00000003.h5"
+    proc.send_signal(signal.SIGUSR1)
+    _wait_for(shard, proc)
+    snapshot = tl.load(shard)
+    assert snapshot.metadata["complete"] is False and snapshot.metadata["end_reason"] == "SIGUSR1"
+    assert proc.poll() is None  # SIGUSR1 asks for a dump; the process keeps running
+    (tmp_path / "finish").touch()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    final = tl.load(shard)
+    assert final.metadata["complete"] is True and len(final) > len(snapshot)
+
+
+WRITER_LOOP = """
+    import sys, torch, tl_dist as tl
+    from pathlib import Path
+    from torch import nn
+    out = Path(sys.argv[1])
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    tl.arm(out / "run", save=True)
+    x = torch.randn(256, 512)
+    step = 0
+    while True:
+        with torch.no_grad(), tl.capture(step=step):
+            model(x)
+        step += 1
+        (out / "progress").write_text(str(step))
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_only_complete_shards(tmp_path):
+    proc = _spawn(tmp_path, WRITER_LOOP)
+    rank_dir = tmp_path / "run" / "rank00000"
+    deadline = time.monotonic() + 120
+    while len(list(rank_dir.glob("step*.h5"))) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    # Writing dominates the loop (8 x 512 KiB saved per step), so the kill most likely lands mid-write.
+    time.sleep(0.05)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    shards = sorted(rank_dir.glob("step*.h5"))
+    assert len(shards) >= 3
+    for shard in shards:
+        trace = tl.load(shard)
+        assert trace.metadata["complete"] is True and len(trace) == 16  # 8 x (t, addmm)
+        assert len(trace.saved.load_all()) == len(trace.saved) > 0
+    others = [p.name for p in rank_dir.iterdir() if not p.name.startswith("step")]
+    # Anything else is a hidden temporary of the interrupted write, never a file under a shard's name.
+    assert all(name.startswith(".step") and ".tmp-" in name for name in others), others
