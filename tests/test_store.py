@@ -120,13 +120,10 @@ def test_round_trip_multi_output_ops_and_structured_module_output(tmp_path):
 
 
 def test_dtypes_numpy_lacks_and_scalars_round_trip(tmp_path):
-    def f(x):
-        y = x.to(torch.bfloat16) * 2
-        return y.float().sum(), (x > 0), x.to(torch.complex64)
-
     class M(nn.Module):
         def forward(self, x):
-            return f(x)
+            y = x.to(torch.bfloat16) * 2
+            return y.float().sum(), (x > 0), x.to(torch.complex64)
 
     mem = tl.trace(M(), torch.randn(3, 4))
     disk = tl.load(write_shard(mem, tmp_path / "d.h5"))
