@@ -223,3 +223,14 @@ def test_alias_taken_before_an_inplace_write_is_caught_by_validate():
         trace = tl.trace(StaleAlias(), torch.randn(3, 4))
     report = trace.validate()
     assert [m.label for m in report.mismatches] == ["mul_1"]
+
+
+def test_size_zero_empty_is_checked_not_skipped():
+    bn = nn.BatchNorm2d(3).eval()
+    with torch.no_grad():
+        trace = tl.trace(bn, torch.randn(2, 3, 4, 4))
+    # eval BatchNorm on CPU allocates a 0-element reserve tensor with empty(): no bytes, nothing uninitialised
+    assert [op.label for op in trace] == ["empty_1", "native_batch_norm_1"]
+    assert trace["empty_1"].out_shapes == (torch.Size([0]),)
+    report = trace.validate()
+    assert report and report.skipped == {} and report.checked == 2
