@@ -117,9 +117,16 @@ def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
     s0 = [coll(source=A), coll(source=B, state="issued")]
     s1 = [coll(source=A)]
     f = _only(_merge(tmp_path, [s0, s1], complete={0: False, 1: False}))
-    assert (f.kind, f.seq, f.ranks) == ("not_completed", 2, (0, 1))
+    assert (f.kind, f.seq, f.ranks) == ("not_completed", 2, (1,))
     assert f.where[0]["state"] == "issued" and f.where[1]["absent"]
     assert f.where[1]["last_label"] == "all_reduce_1"
+
+
+def test_hang_with_every_rank_inside_blames_the_stuck(tmp_path):
+    s0 = [coll(source=A), coll(source=B, state="issued")]
+    s1 = [coll(source=A), coll(source=B)]
+    f = _only(_merge(tmp_path, [s0, s1], complete={0: False}))
+    assert (f.kind, f.ranks) == ("not_completed", (0,)) and "never completed on rank(s) [0]" in f.message
 
 
 def test_missing_shard_strict_raises_and_lenient_reports(tmp_path):

@@ -161,7 +161,8 @@ class Finding:
         step: the captured step (window) it belongs to.
         group: global ranks of the process group; ``()`` for rank-level findings.
         seq: the group's sequence number of the collective (the lowest among ranks); -1 when none.
-        ranks: the ranks at fault (those that lack it, hang in it, or disagree with the majority).
+        ranks: the ranks at fault: those that lack it (for a hang: never reached it, else the ones stuck in
+            it), or the minority that disagrees with the others.
         message: one readable sentence.
         where: per rank, the op's label / func / module / source / seq / state; ranks that never issued it get
             ``absent: True`` and their last recorded op, so the user sees where each rank was.
@@ -310,8 +311,10 @@ def _judge(slot: Joined, group_size: int, incomplete: set[int], last_pos: dict[i
 def _culprits(slot: Joined) -> tuple[int, ...]:
     """The ranks to blame: those lacking it or stuck, else the minority of a split vote."""
     if slot.verdict == "not_completed":
-        stuck = [r for r, e in slot.entries.items() if e.state != "completed"]
-        return tuple(sorted(set(stuck) | set(slot.missing)))
+        # Ranks that never got there kept the others waiting; with none such, the ones stuck in it.
+        if slot.missing:
+            return slot.missing
+        return tuple(sorted(r for r, e in slot.entries.items() if e.state != "completed"))
     if slot.verdict == "missing":
         return slot.missing
     attr = {
@@ -352,23 +355,22 @@ def match_step(
     Returns:
         The joined collectives (in group, then issue order) and the findings about them.
     """
-    groups: dict[tuple[int, ...], dict[int, list[Entry]]] = {}
-    names: dict[tuple[int, ...], str] = {}
+    # Two groups can have the same members (a second group over all ranks): the name tells them apart.
+    groups: dict[tuple[str, tuple[int, ...]], dict[int, list[Entry]]] = {}
     p2p: dict[tuple, dict[str, list[Entry]]] = {}
     for rank, lst in entries.items():
         for e in lst:
             kind = P2P_FUNCS.get(e.func)
             if kind is not None:
                 src, dst = (rank, e.peer) if kind == "send" else (e.peer, rank)
-                p2p.setdefault((e.group, src, dst), {"send": [], "recv": []})[kind].append(e)
+                p2p.setdefault((e.group_name, e.group, src, dst), {"send": [], "recv": []})[kind].append(e)
             else:
-                groups.setdefault(e.group, {}).setdefault(rank, []).append(e)
-                names.setdefault(e.group, e.group_name)
+                groups.setdefault((e.group_name, e.group), {}).setdefault(rank, []).append(e)
 
     joined: list[Joined] = []
     findings: list[Finding] = []
-    for group in sorted(groups):
-        per_rank = groups[group]
+    for name, group in sorted(groups, key=lambda k: (k[1], k[0])):
+        per_rank = groups[(name, group)]
         for lst in per_rank.values():
             lst.sort(key=lambda e: (e.seq if e.seq >= 0 else float("inf"), e.op))
         present = [r for r in group if r in entries]
@@ -384,7 +386,7 @@ def match_step(
                 Joined(
                     step,
                     group,
-                    names[group],
+                    name,
                     slot_entries,
                     tuple(present),
                     tuple(r for r in group if r in absent),
@@ -396,7 +398,7 @@ def match_step(
         joined.extend(group_joined)
         findings.extend(_findings(group_joined, last_op))
 
-    for (group, src, dst), sides in sorted(p2p.items()):
+    for (name, group, src, dst), sides in sorted(p2p.items(), key=lambda kv: kv[0][1:] + (kv[0][0],)):
         if src in absent or dst in absent or src not in entries or dst not in entries:
             continue
         sends, recvs = sides["send"], sides["recv"]
@@ -407,9 +409,7 @@ def match_step(
                 slot_entries[src] = sends[n]
             if n < len(recvs):
                 slot_entries[dst] = recvs[n]
-            pairs.append(
-                Joined(step, group, (sends or recvs)[0].group_name, slot_entries, (src, dst), (), p2p=True)
-            )
+            pairs.append(Joined(step, group, name, slot_entries, (src, dst), (), p2p=True))
         last_pos = {src: len(sends) - 1, dst: len(recvs) - 1}
         for pos, slot in enumerate(pairs):
             _judge(slot, 2, incomplete, last_pos, pos)
