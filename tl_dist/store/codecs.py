@@ -32,11 +32,13 @@ def _column(group: h5py.Group, name: str, data: np.ndarray, options: ShardOption
 
 
 def _categorical(group: h5py.Group, values: Sequence[str] | Any, options: ShardOptions) -> None:
-    categories: dict[str, int] = {}
-    setdefault = categories.setdefault
-    codes = np.fromiter((setdefault(v, len(categories)) for v in values), dtype=np.int32)
+    values = values if isinstance(values, (list, tuple)) else list(values)
+    # Three C-level passes (unique in first-seen order, index, codes) instead of a Python loop per value.
+    categories = list(dict.fromkeys(values))
+    code_of = {v: i for i, v in enumerate(categories)}
+    codes = np.fromiter(map(code_of.__getitem__, values), dtype=np.int32, count=len(values))
     _column(group, "codes", codes, options)
-    group.create_dataset("categories", data=np.array(list(categories), dtype=object), dtype=STR_DTYPE)
+    group.create_dataset("categories", data=np.array(categories, dtype=object), dtype=STR_DTYPE)
 
 
 def _offsets(lengths: Any, n: int) -> np.ndarray:
@@ -89,10 +91,16 @@ def write_column(group: h5py.Group, field: Field, values: list, options: ShardOp
 
 def _read_categorical(node: h5py.Group) -> list[str]:
     categories = node["categories"].asstr()[()].tolist()
-    return [categories[c] for c in node["codes"][()].tolist()]
+    return list(map(categories.__getitem__, node["codes"][()].tolist()))
 
 
 def _split(flat: list, offsets: list[int]) -> list[tuple]:
+    n = len(offsets) - 1
+    if n > 0 and offsets[-1] == n * (offsets[1] - offsets[0]):
+        width = offsets[1] - offsets[0]
+        if all(b - a == width for a, b in zip(offsets, offsets[1:])):
+            # Rows of equal length (no parents, one output shape, ...): split in C.
+            return [()] * n if width == 0 else list(zip(*[iter(flat)] * width))
     return [tuple(flat[a:b]) for a, b in zip(offsets, offsets[1:])]
 
 

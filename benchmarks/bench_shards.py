@@ -1,0 +1,151 @@
+"""Shard benchmarks (issue 4), each a ratio measured in this process, interleaved over rounds:
+
+- ``armed``: a training step while ``tl.arm()`` is active but outside any window, over the plain step
+  (modes interleaved: plain, armed, plain, armed, ...). Target <= 1.01x.
+- ``metadata``: ``write_shard`` of a real 100k-op trace (a captured loop of tiny ops), no tensors. Target
+  <= 1 s. Also prints ``tl.load(tensors=False)`` of it.
+- ``activations``: ``write_shard`` of a ResNet-18 forward with every output saved, against writing the same
+  arrays with raw h5py (one dataset each, same compression: none by default) -- throughput ratio. Target
+  >= 0.70. TorchLens reference on this machine: 65 MB in 3.8 s, 213 files.
+
+Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_shards.py [--rounds 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import h5py  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import ResNet18  # noqa: E402
+
+import tl_dist as tl  # noqa: E402
+from tl_dist.store import write_shard  # noqa: E402
+
+
+def _median_min(values: list[float]) -> str:
+    return f"median {statistics.median(values):.3f}, min {min(values):.3f}"
+
+
+def bench_armed(rounds: int, out: Path) -> float:
+    torch.manual_seed(0)
+    model = ResNet18(num_classes=10).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2, 3, 64, 64)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm-up
+        step()
+    ratios = []
+    for _ in range(rounds):
+        for _ in range(3):
+            tl.disarm()
+            plain = step()
+            tl.arm(out)
+            armed = step()
+            ratios.append(armed / plain)
+    tl.disarm()
+    print(f"armed outside a window / plain step (ResNet-18 2x3x64x64 train step): {_median_min(ratios)}")
+    return statistics.median(ratios)
+
+
+def bench_metadata(rounds: int, out: Path) -> float:
+    x = torch.ones(4)
+    with tl.capture(source=False) as cap:
+        for _ in range(50_000):
+            x = x.add(1)
+            x = x.mul(0.5)
+    trace = cap.trace
+    assert len(trace) == 100_000, len(trace)
+    writes, cpu, loads = [], [], []
+    path = out / "meta.h5"
+    for _ in range(rounds):
+        t0, c0 = time.perf_counter(), time.process_time()
+        write_shard(trace, path)
+        writes.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        t0 = time.perf_counter()
+        loaded = tl.load(path, tensors=False)
+        loads.append(time.perf_counter() - t0)
+        assert len(loaded) == len(trace)
+    size = path.stat().st_size / 1e6
+    print(f"write_shard of a 100k-op trace (metadata only, {size:.1f} MB): {_median_min(writes)} s")
+    # CPU time as well: on a shared machine wall time includes waiting for a core.
+    print(f"  CPU time of that write: {_median_min(cpu)} s")
+    print(f"tl.load(tensors=False) of it: {_median_min(loads)} s")
+    return statistics.median(writes)
+
+
+def bench_activations(rounds: int, out: Path) -> float:
+    torch.manual_seed(0)
+    model = ResNet18().eval()
+    with torch.no_grad():
+        trace = tl.trace(model, torch.randn(1, 3, 224, 224), save=True)
+    arrays = [t.detach().contiguous().numpy() for outs in trace.saved.values() for t in outs if t is not None]
+    mbytes = sum(a.nbytes for a in arrays) / 1e6
+
+    def raw() -> float:
+        t0 = time.perf_counter()
+        with h5py.File(out / "raw.h5", "w") as f:
+            for i, a in enumerate(arrays):
+                f.create_dataset(str(i), data=a)
+        return time.perf_counter() - t0
+
+    def ours() -> float:
+        t0 = time.perf_counter()
+        write_shard(trace, out / "ours.h5")
+        return time.perf_counter() - t0
+
+    raw(), ours()  # warm-up
+    ratios, raw_s, ours_s = [], [], []
+    for _ in range(rounds):
+        r, o = raw(), ours()
+        raw_s.append(r)
+        ours_s.append(o)
+        ratios.append(r / o)  # throughput(ours) / throughput(raw) for the same bytes
+    print(
+        f"saved activations, ResNet-18 1x3x224x224, {len(arrays)} tensors, {mbytes:.0f} MB: "
+        f"write_shard {statistics.median(ours_s):.3f} s ({mbytes / statistics.median(ours_s):.0f} MB/s), "
+        f"raw h5py {statistics.median(raw_s):.3f} s"
+    )
+    print(f"throughput write_shard / raw h5py: {_median_min(ratios)}  (TorchLens: 65 MB in 3.8 s, 213 files)")
+    return statistics.median(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", choices=("armed", "metadata", "activations"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        results = {}
+        if args.only in (None, "armed"):
+            results["armed"] = (bench_armed(args.rounds, out), "<=", 1.01)
+        if args.only in (None, "metadata"):
+            results["metadata"] = (bench_metadata(args.rounds, out), "<=", 1.0)
+        if args.only in (None, "activations"):
+            results["activations"] = (bench_activations(args.rounds, out), ">=", 0.70)
+    for name, (value, op, target) in results.items():
+        ok = value <= target if op == "<=" else value >= target
+        print(f"{name:12s} {value:.3f} (target {op} {target}): {'OK' if ok else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
