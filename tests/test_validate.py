@@ -237,3 +237,10 @@ def test_size_zero_empty_is_checked_not_skipped():
     assert trace["empty_1"].out_shapes == (torch.Size([0]),)
     report = trace.validate()
     assert report and report.skipped == {} and report.checked == 2
+
+
+def test_validate_without_replay_information_says_so():
+    model = nn.Sequential(nn.Linear(4, 2))
+    trace = tl.trace(model, torch.randn(3, 4), save=None)
+    with pytest.raises(tl.TlDistError, match="nothing to replay"):
+        trace.validate()

@@ -21,7 +21,7 @@ import torch
 
 from ._opinfo import mutated_tensors, op_info
 from ._recorder import fill_skeleton
-from .errors import ValidationError
+from .errors import TlDistError, ValidationError
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -169,6 +169,11 @@ def validate(
         raise ValueError(f"atol must be a non-negative number, got {atol!r}")
     if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or rtol < 0:
         raise ValueError(f"rtol must be a non-negative number, got {rtol!r}")
+    if len(trace) and not trace.replay:
+        raise TlDistError(
+            "validate() has nothing to replay: the trace holds no replay information (it was captured with "
+            "save=None, or loaded from a shard). Trace again in this process with save=True or a selector."
+        )
     report = ValidationReport()
     labels = trace.columns["label"]
     saved = trace.saved
