@@ -1,0 +1,170 @@
+"""Activation/gradient statistics (stats=) and first_nonfinite."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tl_dist as tl
+from tl_dist.training import finish_stats, tensor_stats
+
+
+def _direct(t):
+    """The eight statistics computed straight from the tensor, in float64."""
+    x = t.detach().double()
+    return {
+        "mean": x.mean().item(),
+        "std": x.std(correction=0).item(),
+        "min": x.min().item(),
+        "max": x.max().item(),
+        "norm": x.norm().item(),
+        "zero_frac": (x == 0).double().mean().item(),
+        "nan": int(x.isnan().sum()),
+        "inf": int(x.isinf().sum()),
+    }
+
+
+def _assert_stats_equal(got, expected, what):
+    for name, value in expected.items():
+        if isinstance(value, float) and math.isnan(value):
+            assert math.isnan(got[name]), (what, name)
+        else:
+            assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (what, name, got[name], value)
+
+
+def test_tensor_stats_known_values():
+    # [0, 2, -2, 4]: mean 1, population var ((1+1+9+9)/4) = 5, norm sqrt(0+4+4+16) = sqrt(24), one zero in four.
+    values = finish_stats(tensor_stats(torch.tensor([0.0, 2.0, -2.0, 4.0])).tolist())
+    assert values == pytest.approx([1.0, math.sqrt(5), -2.0, 4.0, math.sqrt(24), 0.25, 0, 0])
+    special = finish_stats(
+        tensor_stats(torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])).tolist()
+    )
+    assert special[6:] == [1, 2] and special[5] == pytest.approx(0.2)
+    half = finish_stats(tensor_stats(torch.tensor([1.0, 3.0], dtype=torch.bfloat16)).tolist())
+    assert half[:2] == [2.0, 1.0]
+    strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    assert finish_stats(tensor_stats(strided).tolist())[:4] == pytest.approx(
+        [5.5, math.sqrt(143 / 12), 0, 11]
+    )
+    assert tensor_stats(torch.tensor([1, 2])) is None  # integers: no statistics
+    assert tensor_stats(torch.empty(0)) is None
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10)
+        self.fc2 = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_window_stats_equal_direct_computation():
+    model = Net()
+    x = torch.randn(5, 6)
+    with tl.Capture(save=True, save_grads=True, stats=True) as cap:
+        model(x).pow(2).mean().backward()
+    trace = cap.trace
+    table = trace.stats_table
+    assert set(table["of"]) == {"out", "grad"}
+    n_checked = {"out": 0, "grad": 0}
+    for k, index in enumerate(table["op"]):
+        of = table["of"][k]
+        values = trace[index].out if of == "out" else trace[index].grad
+        tensor = values[0] if isinstance(values, tuple) else values
+        got = {
+            name: table[name][k] for name in ("mean", "std", "min", "max", "norm", "zero_frac", "nan", "inf")
+        }
+        _assert_stats_equal(got, _direct(tensor), (trace[index].label, of))
+        n_checked[of] += 1
+    # Every forward op with a float output has output stats except views; relu has zeros, so zero_frac > 0.
+    # Forward ops with float outputs (t, addmm, relu, ...) and their gradients; views have none.
+    assert n_checked["out"] >= 5 and n_checked["grad"] >= 5
+    relu = trace["relu_1"]
+    assert 0 < relu.stats["out"]["zero_frac"] < 1 and relu.stats["out"]["min"] == 0.0
+    assert set(relu.stats) == {"out", "grad"}
+    # stats=True covers forward ops; backward ops' outputs appear as the `grad` rows of forward ops.
+    assert all(trace[i].phase == "forward" for i in table["op"])
+
+
+def test_stats_selector_limits_rows_and_needs_no_saved_tensors():
+    model = Net()
+    with tl.Capture(stats=tl.func("relu")) as cap:
+        model(torch.randn(5, 6)).sum().backward()
+    trace = cap.trace
+    assert {trace[i].func for i in trace.stats_table["op"]} == {"relu"}
+    assert sorted(trace.stats_table["of"]) == ["grad", "out"]
+    assert trace.saved == {} and trace.grads == {}
+
+
+def test_log_backward_adds_gradient_stats():
+    model = Net()
+    trace = tl.trace(model, torch.randn(4, 6), save=None, stats=tl.func("relu"))
+    assert trace.stats_table["of"] == ["out"]
+    trace.log_backward(trace.output.sum())
+    assert trace.stats_table["of"] == ["out", "grad"]
+    grad = trace["relu_1"].stats["grad"]
+    # d sum(fc2(h)) / dh = column sums of fc2.weight, the same for every row of the batch.
+    expected = model.fc2.weight.detach().sum(0).expand(4, 10)
+    _assert_stats_equal(grad, _direct(expected), "relu grad")
+
+
+class NaNHead(nn.Module):
+    def forward(self, x):
+        return torch.log(x - 1.5)  # NaN wherever x < 1.5
+
+
+class NaNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = NaNHead()
+
+    def forward(self, x):
+        return self.head(torch.sigmoid(self.fc(x)) * 2).sum()
+
+
+def test_first_nonfinite_names_op_module_and_source():
+    model = NaNNet()
+    with tl.Capture(stats=True) as cap:
+        model(torch.randn(3, 4)).backward()
+    op = cap.trace.first_nonfinite()
+    assert op.label == "log_1" and op.module == "head"
+    assert op.source.endswith(f"test_stats.py:{NaNHead.forward.__code__.co_firstlineno + 1}")
+    assert op.stats["out"]["nan"] > 0
+    # Everything before it is finite.
+    assert all(cap.trace[i].stats.get("out", {}).get("nan", 0) == 0 for i in range(op.index))
+
+
+def test_first_nonfinite_in_backward_only():
+    # sqrt is finite at 0 but its gradient 1 / (2 sqrt(0)) is inf: every forward output is finite, and the
+    # first non-finite value is the gradient w.r.t. sqrt's input, the output of mul_1 (x * 1.0).
+    x = torch.tensor([0.0, 1.0, 4.0], requires_grad=True)
+    with tl.Capture(stats=True) as cap:
+        torch.sqrt(x * 1.0).sum().backward()
+    trace = cap.trace
+    op = trace.first_nonfinite()
+    assert op.label == "mul_1"
+    assert op.stats["out"]["inf"] == 0 and op.stats["grad"]["inf"] == 1
+    assert trace["sqrt_1"].stats["grad"]["inf"] == 0  # d sum / d sqrt = 1 everywhere
+    # Selecting backward ops explicitly records their outputs too: the sqrt backward op made the inf.
+    with tl.Capture(stats=tl.where(lambda o: o.phase == "backward")) as cap:
+        torch.sqrt(x * 1.0).sum().backward()
+    op = cap.trace.first_nonfinite()
+    assert op.phase == "backward" and cap.trace[op.fwd_op].func == "sqrt"
+
+
+def test_first_nonfinite_without_stats():
+    model = NaNNet()
+    with tl.Capture() as cap:
+        model(torch.randn(3, 4))
+    with pytest.raises(tl.TlDistError, match="stats=True"):
+        cap.trace.first_nonfinite()
+    with tl.Capture(save=True) as cap:
+        model(torch.randn(3, 4))
+    assert cap.trace.first_nonfinite().label == "log_1"
+    with tl.Capture(stats=True) as cap:
+        Net()(torch.randn(2, 6)).sum().backward()
+    assert cap.trace.first_nonfinite() is None
