@@ -67,7 +67,7 @@ def make_trace(rank, script, *, world_size=2, step=0, t0=1_000_000_000_000, comp
             counts[func] = counts.get(func, 0) + 1
             row = {f.name: _DEFAULTS[f.kind] for f in OP_FIELDS}
             row.update(index=len(rows), label=f"{func}_{counts[func]}", func=func, kind=kind, source=src)
-            row.update(module=c["module"], phase="forward", dtype=c["dtype"])
+            row.update(module=c["module"], module_call=-1, phase="forward", dtype=c["dtype"])
             if kind == "collective":
                 start = c["issue"] or t
                 end = c["complete"] if c["complete"] is not None else start + 50_000

@@ -1,0 +1,47 @@
+"""The tl-dist console script on hand-written shards (run as a real subprocess where the exit code matters)."""
+
+import json
+import subprocess
+import sys
+
+from merge_synth import coll, make_trace, write_run
+
+from tl_dist.cli import main
+
+A = "train.py:10"
+
+
+def _run(tmp_path, bad=False):
+    s1 = [coll(source=A, numel=8 if bad else 4)]
+    write_run(tmp_path / "run", [make_trace(0, [coll(source=A)]), make_trace(1, s1)])
+    return tmp_path / "run"
+
+
+def test_clean_merge_exits_zero_and_saves(tmp_path, capsys):
+    run = _run(tmp_path)
+    assert main(["merge", str(run), "-o", str(tmp_path / "m.h5"), "--quiet"]) == 0
+    assert "0 findings" in capsys.readouterr().out
+    assert main(["summary", str(tmp_path / "m.h5")]) == 0
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_findings_give_exit_one_unless_no_fail(tmp_path):
+    run = _run(tmp_path, bad=True)
+    cmd = [sys.executable, "-m", "tl_dist.cli", "merge", str(run)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "size_mismatch" in proc.stdout and "--no-fail" in proc.stderr
+    assert subprocess.run(cmd + ["--no-fail"], capture_output=True, timeout=120).returncode == 0
+
+
+def test_export_draw_and_errors(tmp_path, capsys):
+    run = _run(tmp_path)
+    assert main(["export", str(run), "--perfetto", str(tmp_path / "t.json")]) == 0
+    assert len(json.loads((tmp_path / "t.json").read_text())["traceEvents"]) > 4
+    assert main(["draw", str(run), "-o", str(tmp_path / "g.svg")]) == 0
+    assert (tmp_path / "g.svg").read_text().count("<svg") == 1
+    assert main(["summary", str(tmp_path / "nope")]) == 2
+    assert "nope: no such file" in capsys.readouterr().err
+    (run / "rank00001" / "step00000000.h5").unlink()
+    assert main(["merge", str(run)]) == 2
+    assert main(["merge", str(run), "--lenient"]) == 1
+    assert main(["merge", str(run), "--lenient", "--no-fail"]) == 0

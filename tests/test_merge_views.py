@@ -1,0 +1,91 @@
+"""Views of a merged trace on hand-written shards: tables, summary, Perfetto JSON, drawing, save/load."""
+
+import json
+
+import pytest
+from merge_synth import coll, make_trace, write_run
+
+import tl_dist as tl
+
+A, B = "train.py:10", "train.py:11"
+SHIFT = 2_000_000_000  # rank 1's clock runs 2 s ahead
+
+
+@pytest.fixture
+def merged(tmp_path):
+    s0, s1 = [], []
+    for k in range(3):
+        done = 10**12 + (k + 1) * 10_000_000
+        s0.append(coll(source=A, issue=done - 3_000_000, complete=done))
+        s1.append(coll(source=A, issue=done - 1_000_000 + SHIFT, complete=done + SHIFT))
+    s0.append(coll(source=B, numel=4))
+    s1.append(coll(source=B, numel=8))
+    write_run(tmp_path / "run", [make_trace(0, s0), make_trace(1, s1, t0=10**12 + SHIFT)])
+    return tl.merge_ranks(tmp_path / "run")
+
+
+def test_tables(merged):
+    g = merged
+    assert g.offsets == {0: 0, 1: SHIFT}
+    ops = g.to_pandas()
+    assert len(ops) == len(g.rank(0)) + len(g.rank(1)) == 16
+    assert list(ops.columns[:3]) == ["step", "rank", "aligned_start_ns"]
+    assert (ops.aligned_start_ns == ops.start_ns - ops["rank"].map(g.offsets)).all()
+    coll_frame = g.collectives
+    assert list(coll_frame.verdict) == ["matched"] * 3 + ["size_mismatch"]
+    # rank 0 arrives 3 ms before completion, rank 1 1 ms before: skew 2 ms, rank 1 last.
+    assert list(coll_frame.skew_ns[:3]) == [2_000_000] * 3 and list(coll_frame.last_rank[:3]) == [1, 1, 1]
+    assert list(coll_frame.bytes) == [16, 16, 16, 32]
+
+
+def test_summary_names_finding_and_straggler(merged):
+    text = merged.summary()
+    assert "size_mismatch" in text and "train.py:11" in text
+    assert "rank 1 2000.000" in text  # the clock offset, ms
+    assert "step 0: rank 1 6.000" in text  # 3 collectives x 2 ms caused
+
+
+def test_perfetto_json(merged, tmp_path):
+    path = merged.to_perfetto(tmp_path / "t.json")
+    data = json.loads(open(path).read())
+    events = data["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert procs == {0: "rank 0", 1: "rank 1"}
+    slices = [e for e in events if e["ph"] == "X"]
+    assert len(slices) == 16
+    flows = [e for e in events if e["ph"] in "stf" and e.get("cat") == "collective"]
+    assert len(flows) == 8  # 4 collectives x 2 ranks
+    by_id = {}
+    for e in flows:
+        by_id.setdefault(e["id"], []).append(e)
+    for chain in by_id.values():
+        assert sorted(e["ph"] for e in chain) == ["f", "s"] and {e["pid"] for e in chain} == {0, 1}
+        # every flow point lies inside a slice of its rank, so the UI binds it
+        for e in chain:
+            assert any(s["pid"] == e["pid"] and s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in slices)
+    # aligned time: the first collective's slices overlap on both ranks despite the 2 s clock shift
+    ar = [s for s in slices if s["name"] == "all_reduce_1"]
+    assert abs(ar[0]["ts"] - ar[1]["ts"]) < 5_000  # us
+
+
+def test_draw_joins_ranks(merged, tmp_path):
+    from tl_dist.merge.draw import merged_source
+
+    src = merged_source(merged)
+    assert "cluster_s0r0_rank" in src and "cluster_s0r1_rank" in src
+    assert src.count("dir=none") == 4 and src.count("#c62828") == 2  # one red edge: the size mismatch
+    out = merged.draw(str(tmp_path / "g.svg"))
+    assert open(out).read().lstrip().startswith(("<?xml", "<svg"))
+
+
+def test_save_and_load_merged(merged, tmp_path):
+    path = merged.save(tmp_path / "m.h5")
+    back = tl.load_merged(path)
+    assert back.offsets == merged.offsets
+    assert [(f.kind, f.seq, f.ranks) for f in back.findings] == [
+        (f.kind, f.seq, f.ranks) for f in merged.findings
+    ]
+    assert back.rank(1).columns == merged.rank(1).columns
+    assert back.collectives.equals(merged.collectives)
+    with pytest.raises(tl.ShardFormatError, match="not a merged trace"):
+        tl.load_merged(next((tmp_path / "run" / "rank00000").glob("*.h5")))
