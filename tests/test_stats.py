@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import tl_dist as tl
-from tl_dist.training import finish_stats, tensor_stats
+from tl_dist.training import _device_stats, finish_stats, tensor_stats
 
 
 def _direct(t):
@@ -33,22 +33,37 @@ def _assert_stats_equal(got, expected, what):
             assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (what, name, got[name], value)
 
 
-def test_tensor_stats_known_values():
+def _stats(t, device_path=False):
+    raw = _device_stats(t.reshape(-1), t.numel()).tolist() if device_path else tensor_stats(t)
+    return finish_stats(raw)
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu-path", "gpu-path"])
+def test_tensor_stats_known_values(device_path):
     # [0, 2, -2, 4]: mean 1, population var ((1+1+9+9)/4) = 5, norm sqrt(0+4+4+16) = sqrt(24), one zero in four.
-    values = finish_stats(tensor_stats(torch.tensor([0.0, 2.0, -2.0, 4.0])).tolist())
+    values = _stats(torch.tensor([0.0, 2.0, -2.0, 4.0]), device_path)
     assert values == pytest.approx([1.0, math.sqrt(5), -2.0, 4.0, math.sqrt(24), 0.25, 0, 0])
-    special = finish_stats(
-        tensor_stats(torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])).tolist()
-    )
+    special = _stats(torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0]), device_path)
     assert special[6:] == [1, 2] and special[5] == pytest.approx(0.2)
-    half = finish_stats(tensor_stats(torch.tensor([1.0, 3.0], dtype=torch.bfloat16)).tolist())
+    assert math.isnan(special[2]) and math.isnan(special[3])  # min/max propagate NaN, as torch.min does
+    infs = _stats(torch.tensor([1.0, float("inf"), -float("inf")]), device_path)
+    assert infs[2:4] == [-float("inf"), float("inf")] and infs[6:] == [0, 2]
+    strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: 0..11, mean 5.5, var (144-1)/12
+    assert finish_stats(tensor_stats(strided))[:4] == pytest.approx([5.5, math.sqrt(143 / 12), 0, 11])
+
+
+def test_tensor_stats_dtypes_and_precision():
+    half = finish_stats(tensor_stats(torch.tensor([1.0, 3.0], dtype=torch.bfloat16)))
     assert half[:2] == [2.0, 1.0]
-    strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
-    assert finish_stats(tensor_stats(strided).tolist())[:4] == pytest.approx(
-        [5.5, math.sqrt(143 / 12), 0, 11]
-    )
     assert tensor_stats(torch.tensor([1, 2])) is None  # integers: no statistics
     assert tensor_stats(torch.empty(0)) is None
+    assert finish_stats(tensor_stats(torch.tensor([3.0])))[:2] == [3.0, 0.0]  # one element: std 0, not NaN
+    # |mean| >> std: the shifted path keeps the std accurate where E[x^2] - E[x]^2 in float32 would not.
+    x = 1000.0 + 1e-2 * torch.randn(10_000)
+    got = finish_stats(tensor_stats(x))
+    expected = x.double().std(correction=0).item()
+    assert got[1] == pytest.approx(expected, rel=1e-3)
+    assert finish_stats(_device_stats(x, x.numel()).tolist())[1] == pytest.approx(expected, rel=1e-3)
 
 
 class Net(nn.Module):

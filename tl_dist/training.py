@@ -51,16 +51,18 @@ def backward_link(token: object) -> int:
     return link[1] if link is not None and link[0] is token else -1
 
 
-def tensor_stats(t: Tensor) -> Tensor | None:
-    """Raw reductions of ``t`` for its statistics, as one small tensor on ``t``'s device (no host sync on GPU).
+def tensor_stats(t: Tensor) -> Tensor | list[float] | None:
+    """Raw reductions of ``t`` for its statistics: ``[numel, c, sum(x - c), sum((x - c)^2), min, max, zeros,
+    NaNs, Infs]`` for a shift ``c``; :func:`finish_stats` turns them into mean, std, L2 norm and zero fraction.
 
-    The values are ``[numel, c, sum(x - c), sum((x - c)^2), min, max, zeros, NaNs, Infs]`` with ``c`` the first
-    element; :func:`finish_stats` turns them into mean, std, L2 norm and zero fraction on the host, once per
-    window. None for tensors that are empty or not floating point. With a NaN or Inf element present, the
-    counts and min/max are exact while mean, std and norm come out NaN.
+    On a GPU the result is one small device tensor (no host sync; moved to the host once per window). On CPU
+    there is no device to sync with, so it is a list of floats, which lets cheap checks pick the passes: the
+    counting passes run only when a NaN/Inf is present, the shifted variance only when it is needed. None for
+    tensors that are empty or not floating point. With a NaN or Inf element present, the counts and min/max
+    are exact while mean, std and norm come out NaN or Inf.
 
     Example:
-        >>> finish_stats(tensor_stats(torch.tensor([0.0, 2.0])).tolist())
+        >>> finish_stats(tensor_stats(torch.tensor([0.0, 2.0])))
         [1.0, 1.0, 0.0, 2.0, 2.0, 0.5, 0, 0]
     """
     if t.dtype not in _FLOATS or t.numel() == 0:
@@ -68,23 +70,59 @@ def tensor_stats(t: Tensor) -> Tensor | None:
     x = t.detach().reshape(-1)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    # Five passes over the data: shift, sum, dot (BLAS), aminmax, ==0. torch.std_mean (Welford) and sums of
-    # bool masks are 5-25x slower than these on CPU. Shifting by an element of the tensor keeps
-    # E[d^2] - E[d]^2 from cancelling catastrophically when |mean| >> std (a plain E[x^2] - E[x]^2 does).
+    n = x.numel()
+    if x.is_cuda:
+        return _device_stats(x, n)
+    # Passes: sum, dot (BLAS), aminmax, sign + dot (non-zero count). torch.std_mean (Welford) and sums of
+    # bool masks are 5-25x slower than these on CPU.
+    lo, hi = torch.aminmax(x)
+    total = x.sum().item()
+    squares = torch.dot(x, x).item()
+    if not (math.isfinite(squares) and math.isfinite(total)):
+        zeros = int((x == 0).sum())
+        return [
+            n,
+            0.0,
+            total,
+            squares,
+            lo.item(),
+            hi.item(),
+            zeros,
+            int(x.isnan().sum()),
+            int(x.isinf().sum()),
+        ]
+    shift = 0.0
+    mean = total / n
+    if squares / n - mean * mean <= 1e-3 * (squares / n):
+        # |mean| >> std: E[x^2] - E[x]^2 would cancel catastrophically; shift by an element of the tensor.
+        shift = x[0].item()
+        d = x - shift
+        total = d.sum().item()
+        squares = torch.dot(d, d).item()
+    signs = x.sign()
+    # NB: counts as a float32 dot product: exact below 2^24 non-zero elements.
+    nonzero = torch.dot(signs, signs).item() if n < 1 << 24 else int(torch.count_nonzero(x))
+    return [n, shift, total, squares, lo.item(), hi.item(), n - nonzero, 0, 0]
+
+
+def _device_stats(x: Tensor, n: int) -> Tensor:
+    # Shifting by an element keeps E[d^2] - E[d]^2 from cancelling when |mean| >> std; GPU passes are cheap.
     shift = x[0]
     d = x - shift
-    total = d.sum()
-    squares = torch.dot(d, d)
     lo, hi = torch.aminmax(x)
-    zeros = (x == 0).view(torch.uint8).sum()
-    # Any NaN/Inf element makes the sum of squares non-finite, so the two counting passes only run when it
-    # is. On CPU reading that scalar costs no sync; on GPU the counts are always computed, asynchronously.
-    if x.is_cuda or not math.isfinite(squares.item()):
-        nans = torch.isnan(x).view(torch.uint8).sum()
-        infs = torch.isinf(x).view(torch.uint8).sum()
-    else:
-        nans = infs = zeros.new_zeros(())
-    return torch.stack((x.new_tensor(x.numel()), shift, total, squares, lo, hi, zeros, nans, infs))
+    return torch.stack(
+        (
+            x.new_tensor(n),
+            shift,
+            d.sum(),
+            torch.dot(d, d),
+            lo,
+            hi,
+            (x == 0).sum(),
+            torch.isnan(x).sum(),
+            torch.isinf(x).sum(),
+        )
+    )
 
 
 def finish_stats(raw: list[float]) -> list[float | int]:
@@ -114,7 +152,7 @@ class TrainingState:
         self.hooks_on = save_grads is not None or stats is not None
         self.grads: dict[int, list[Tensor | None]] = {}
         # (op index, "out" | "grad", op count when computed, device tensor of the 8 values)
-        self._stat_rows: list[tuple[int, str, int, Tensor]] = []
+        self._stat_rows: list[tuple[int, str, int, Tensor | list[float]]] = []
         self.stats_table = empty_columns(STAT_FIELDS)
         self.open = True  # gradient hooks act only while a window (or log_backward) is running
         self._node_handles: list[Any] = []
@@ -156,9 +194,12 @@ class TrainingState:
             return table
         # One stack per device, then one copy to the host: the only sync of the whole window.
         by_device: dict[torch.device, list[int]] = {}
-        for k, row in enumerate(rows):
-            by_device.setdefault(row[3].device, []).append(k)
         values: list[list[float] | None] = [None] * len(rows)
+        for k, row in enumerate(rows):
+            if isinstance(row[3], list):  # computed on CPU, already host values
+                values[k] = row[3]
+            else:
+                by_device.setdefault(row[3].device, []).append(k)
         with torch._C._DisableTorchDispatch(), torch.no_grad():
             for ks in by_device.values():
                 host = torch.stack([rows[k][3].to(torch.float64) for k in ks]).cpu().tolist()
