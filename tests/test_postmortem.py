@@ -174,3 +174,56 @@ def test_sigkill_leaves_only_complete_shards(tmp_path):
     others = [p.name for p in rank_dir.iterdir() if not p.name.startswith("step")]
     # Anything else is a hidden temporary of the interrupted write, never a file under a shard's name.
     assert all(name.startswith(".step") and ".tmp-" in name for name in others), others
+
+
+HUNG_RANK = """
+    import os, sys, time, torch, torch.distributed as dist, tl_dist as tl
+    from pathlib import Path
+    out, rank, port = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == 1:
+        (out / "ready1").touch()
+        time.sleep(600)  # never joins the all-reduce: rank 0 hangs in it
+    tl.arm(out / "run")
+    with tl.capture(step=9):
+        x = torch.ones(8).mul(3)
+        (out / "ready0").touch()
+        dist.all_reduce(x)  # blocks in C++: Python handlers cannot run until it returns
+        x.add(1)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_rank_hung_in_collective_leaves_evidence(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = [_spawn(tmp_path, HUNG_RANK, str(rank), port) for rank in (0, 1)]
+    try:
+        _wait_for(tmp_path / "ready0", ranks[0])
+        _wait_for(tmp_path / "ready1", ranks[1])
+        time.sleep(1.0)  # rank 0 is now blocked inside the all-reduce
+        assert ranks[0].poll() is None
+        t0 = time.monotonic()
+        ranks[0].send_signal(signal.SIGTERM)
+        ranks[0].communicate(timeout=60)
+        # The watcher thread wrote the post-mortem and SIGTERM's default action still ended the process.
+        assert ranks[0].returncode == -signal.SIGTERM
+        assert time.monotonic() - t0 < 30
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    trace = tl.load(tmp_path / "run" / "rank00000" / "step00000009.h5")
+    assert trace.metadata["complete"] is False and trace.metadata["end_reason"] == "SIGTERM"
+    assert (trace.rank, trace.world_size) == (0, 2)
+    last = trace[len(trace) - 1]
+    assert last.kind == "collective"  # the all-reduce was issued; x.add(1) never ran
+    assert "add" not in [op.func for op in trace]
+    table = trace.collective_table
+    assert table["state"] == ["issued"] and table["op"] == [last.index]
+    assert table["group_ranks"] == [(0, 1)]

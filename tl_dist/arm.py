@@ -87,6 +87,7 @@ class Armed:
         self.rank_dir = out_dir / f"rank{self.metadata['rank']:05d}"
         self.windows = 0
         self.previous_handlers: dict[int, Any] = {}
+        self.watcher: _SignalWatcher | None = None
 
     def shard_path(self, number: int) -> Path:
         return self.rank_dir / f"step{number:08d}.h5"
@@ -209,6 +210,8 @@ def disarm() -> None:
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         # else: someone installed a handler after us; leave theirs in place (it may chain to ours, a no-op
         # once disarmed).
+    if state.watcher is not None:
+        state.watcher.close()
 
 
 def armed() -> Armed | None:
@@ -285,6 +288,9 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
     recorder = getattr(cap, "_recorder", None)
     if window is None or recorder is None:
         return None
+    if frame is None and threading.current_thread() is not threading.main_thread():
+        # From the watcher thread: the main thread's stack tells which op it is stuck in.
+        frame = sys._current_frames().get(threading.main_thread().ident)
     if not _writing.acquire(blocking=False):
         return None  # a second signal while writing: the first write wins
     try:
@@ -310,6 +316,8 @@ def _on_signal(signum: int, frame: Any) -> None:
     state = _state
     name = signal.Signals(signum).name
     write_postmortem(name, frame)
+    if state is not None and state.watcher is not None:
+        state.watcher.handled(signum)
     previous = state.previous_handlers.get(signum) if state is not None else signal.SIG_DFL
     if callable(previous):
         previous(signum, frame)
@@ -334,6 +342,118 @@ def _install_handlers(state: Armed) -> None:
     for signum in _SIGNALS:
         state.previous_handlers[signum] = signal.getsignal(signum)
         signal.signal(signum, _on_signal)
+    state.watcher = _SignalWatcher.start(state)
+
+
+class _SignalWatcher:
+    """Writes the post-mortem from a helper thread when the main thread cannot run Python handlers.
+
+    Python runs signal handlers in the main thread between bytecodes; a rank blocked in a C++ call (a
+    collective whose peer hung or died) would run ours only when that call returns -- possibly never. The C
+    signal trampoline also writes the signal number to ``signal.set_wakeup_fd``'s pipe at once; this thread
+    reads it and, if the main thread's handler has not run within ``GRACE_S``, writes the post-mortem itself,
+    then gives SIGTERM its default action (terminate) when that was the previous disposition.
+    """
+
+    GRACE_S = 1.0
+
+    def __init__(self, state: Armed, read_fd: int, write_fd: int) -> None:
+        self._state = state
+        self._read_fd = read_fd
+        self._write_fd = write_fd
+        self._cond = threading.Condition()
+        self._handled = dict.fromkeys(_SIGNALS, 0)
+        self._thread = threading.Thread(target=self._run, name="tl_dist-signal-watcher", daemon=True)
+
+    @classmethod
+    def start(cls, state: Armed) -> _SignalWatcher | None:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if previous != -1:
+            # Someone (an asyncio loop) owns the wakeup fd: leave it to them, main-thread handlers only.
+            signal.set_wakeup_fd(previous)
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        watcher = cls(state, read_fd, write_fd)
+        watcher._thread.start()
+        return watcher
+
+    def handled(self, signum: int) -> None:
+        with self._cond:
+            self._handled[signum] = self._handled.get(signum, 0) + 1
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        received = dict.fromkeys(_SIGNALS, 0)
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return  # closed by disarm
+            for signum in data:
+                if signum not in received:
+                    continue
+                received[signum] += 1
+                with self._cond:
+                    done = self._cond.wait_for(
+                        lambda s=signum: self._handled[s] >= received[s], timeout=self.GRACE_S
+                    )
+                if done or _state is not self._state:
+                    continue
+                write_postmortem(signal.Signals(signum).name)
+                previous = self._state.previous_handlers.get(signum)
+                if signum == signal.SIGTERM and previous in (signal.SIG_DFL, None):
+                    _die_by_default(signum)
+
+    def close(self) -> None:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass  # not the main thread
+        os.close(self._write_fd)  # the thread reads EOF and ends
+        self._thread.join(timeout=5)
+        os.close(self._read_fd)
+
+    def forget_in_child(self) -> None:
+        """After fork: the child has no watcher thread, and its signals must not wake the parent's."""
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _after_fork_in_child() -> None:
+    # A forked worker (DataLoader) inherits the wakeup pipe: a SIGTERM sent to the worker at shutdown would
+    # otherwise reach the parent's watcher and be taken for the parent's own.
+    state = _state
+    if state is not None and state.watcher is not None:
+        state.watcher.forget_in_child()
+        state.watcher = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _die_by_default(signum: int) -> None:
+    """From a non-main thread: reset ``signum`` to its default action in C (Python's ``signal.signal`` works in
+    the main thread only) and re-raise it, so the process ends as the signal would have ended it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal(signum, None)  # SIG_DFL is 0
+    os.kill(os.getpid(), signum)
 
 
 def _at_exit() -> None:
