@@ -257,3 +257,21 @@ def test_nothing_left_installed_after_window_even_on_error():
     _loss(out).backward()
     opt.step()
     assert cap.trace.grads == {}
+
+
+def test_ops_without_gradient_have_none():
+    # argmax (integer output), a detached branch and a no_grad block produce nothing autograd differentiates.
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    with tl.Capture(save_grads=True) as cap:
+        y = lin(x)
+        idx = y.argmax(1)
+        with torch.no_grad():
+            z = y * 2
+        w = y.detach().exp()
+        (y.relu().sum() + z.sum() + w.sum() + idx.sum()).backward()
+    trace = cap.trace
+    assert trace["argmax_1"].grad is None
+    assert trace["exp_1"].grad is None and trace["mul_1"].grad is None
+    assert torch.equal(trace["relu_1"].grad, torch.ones(3, 4))
+    torch.testing.assert_close(trace["addmm_1"].grad, (y > 0).float())

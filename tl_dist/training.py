@@ -377,11 +377,15 @@ def _nonfinite(t: Tensor | None) -> bool:
 def op_stats(trace: Trace, index: int) -> dict[str, dict[str, float]]:
     """``{"out": {...}, "grad": {...}}`` for op ``index`` (keys present only when recorded)."""
     table = trace.stats_table
-    found: dict[str, dict[str, float]] = {}
-    for k, op in enumerate(table["op"]):
-        if op == index:
-            found[table["of"][k]] = {name: table[name][k] for name in _STAT_NAMES}
-    return found
+    ops = table["op"]
+    # op -> rows, built once per table (log_backward replaces the table, so the cache key is the list).
+    cached = getattr(trace, "_stats_rows", None)
+    if cached is None or cached[0] is not ops or cached[1] != len(ops):
+        rows: dict[int, list[int]] = {}
+        for k, op in enumerate(ops):
+            rows.setdefault(op, []).append(k)
+        cached = trace._stats_rows = (ops, len(ops), rows)
+    return {table["of"][k]: {name: table[name][k] for name in _STAT_NAMES} for k in cached[2].get(index, ())}
 
 
 def check_selection(value: Any, name: str) -> Any:
