@@ -158,6 +158,116 @@ def test_deleted_and_corrupt_shards(tmp_path):
     assert g.ranks == [0] and len(g.rank(0).collective_table["op"]) == 2
 
 
+def _every_kind(rank, world_size, out_dir):
+    """Step 1: every collective kind; step 2: a DDP step with 2+ buckets; step 3: an FSDP2 step."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tl.arm(out_dir / "run")
+    ws = world_size
+    with tl.capture(step=1):
+        x = torch.arange(4.0) + rank
+        dist.all_reduce(x)
+        dist.broadcast(x, src=1)
+        parts = [torch.zeros(4) for _ in range(ws)]
+        dist.all_gather(parts, x)
+        flat = torch.zeros(4 * ws)
+        dist.all_gather_into_tensor(flat, x)
+        rs = torch.zeros(2)
+        dist.reduce_scatter_tensor(rs, torch.arange(2.0 * ws))
+        rs2 = torch.zeros(4)
+        dist.reduce_scatter(rs2, [p.clone() for p in parts])
+        a2a = [torch.zeros(2) for _ in range(ws)]
+        dist.all_to_all(a2a, [torch.full((2,), float(rank)) for _ in range(ws)])
+        single = torch.zeros(2 * ws)
+        dist.all_to_all_single(single, torch.arange(2.0 * ws))
+        dist.reduce(x, dst=0)
+        dist.gather(x, [torch.zeros(4) for _ in range(ws)] if rank == 1 else None, dst=1)
+        dist.scatter(rs2, [torch.ones(4) for _ in range(ws)] if rank == 0 else None, src=0)
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(rs2, 1)
+        else:
+            dist.recv(rs2, 0)
+            dist.send(x, 0)
+        dist.barrier()
+        dist.all_reduce(x, async_op=True).wait()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # DDP's first iteration puts every gradient in one (first-bucket-sized) bucket; it rebuilds its buckets
+    # by bucket_cap_mb after that, so the captured step is the second.
+    model(torch.randn(8, 64)).sum().backward()
+    with tl.capture(step=2):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    fsdp = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    for layer in fsdp:
+        fully_shard(layer)
+    fully_shard(fsdp)
+    with tl.capture(step=3):
+        fsdp(torch.randn(4, 16)).sum().backward()
+    tl.disarm()
+    return {}
+
+
+def test_clean_run_every_kind_ddp_fsdp2(tmp_path):
+    run_ranks(_every_kind, world_size=2, tmp_path=tmp_path, timeout=120)
+    g = tl.merge_ranks(tmp_path / "run")
+    assert g.findings == [], g.summary()
+    frame = g.collectives
+    assert set(frame.verdict) == {"matched"}
+    kinds = set(frame[frame.step == 1].func)
+    expected = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "reduce", "gather"}
+    assert expected | {"scatter", "barrier", "send/recv"} <= kinds, kinds
+    assert (frame[frame.step == 1].func == "send/recv").sum() == 2  # two p2p pairs
+    ddp = frame[frame.step == 2]
+    # one all_reduce per gradient bucket (DDP's second iteration also broadcasts its rebuilt bucket order)
+    assert (ddp.func == "all_reduce").sum() >= 2
+    fsdp = frame[frame.step == 3]
+    assert {"all_gather", "reduce_scatter"} <= set(fsdp.func)
+    assert all(len(r) == 2 for r in frame.ranks)
+    assert abs(g.offsets[1]) < 50_000_000  # one host: offsets are small
+
+
+def _straggler(rank, world_size, out_dir, shift_ns):
+    from unittest import mock
+
+    real = time.time_ns
+    tl.arm(out_dir / "run")
+    x = torch.ones(1024)
+    tl.capture().__enter__().__exit__(None, None, None)  # first dispatch-mode use in a process is slow
+    dist.all_reduce(x)
+    dist.barrier()
+    # Rank 1's recorded clock runs shift_ns ahead (the recorder maps perf_counter to time.time_ns at start).
+    patch = mock.patch("time.time_ns", lambda: real() + shift_ns) if rank == 1 else mock.MagicMock()
+    with patch, tl.capture(step=1):
+        for _ in range(4):
+            if rank == 1:
+                time.sleep(0.2)
+            dist.all_reduce(x)
+            x = x / 2
+    tl.disarm()
+    return {}
+
+
+def test_straggler_and_clock_shift(tmp_path):
+    shift = 3_000_000_000
+    run_ranks(_straggler, world_size=2, tmp_path=tmp_path, args=(shift,), timeout=60)
+    g = tl.merge_ranks(tmp_path / "run")
+    assert g.findings == []
+    assert abs(g.offsets[1] - shift) < 1_000_000, g.offsets
+    strag = g.stragglers()
+    assert list(strag["rank"]) == [1, 0]
+    # rank 0 waited ~200 ms in each of the 4 all_reduces. The machine's 2 cores are shared with other jobs, so
+    # allow one collective in four to be disturbed, and check the median skew tightly.
+    by_rank = strag.set_index("rank")
+    assert 3 * 150e6 < by_rank.loc[0, "wait_ns"] < 4 * 350e6, strag
+    assert by_rank.loc[1, "last_count"] >= 3
+    assert 180e6 < g.collectives.skew_ns.median() < 300e6, list(g.collectives.skew_ns)
+
+
 def _line(text: str) -> int:
     with open(__file__) as fh:
         for n, line in enumerate(fh, 1):

@@ -138,6 +138,8 @@ class Joined:
 
     @property
     def func(self) -> str:
+        if self.p2p:
+            return "send/recv"
         funcs = sorted({e.func for e in self.entries.values()})
         return funcs[0] if len(funcs) == 1 else "/".join(funcs)
 
