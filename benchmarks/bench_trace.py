@@ -94,7 +94,8 @@ def trace_fn(model: torch.nn.Module, x: torch.Tensor, save: object) -> Callable[
 
 def plain_worker() -> None:
     """Subprocess side of the after-trace check. Answers ``plain NAME REPS`` with the seconds of one plain
-    forward (best of 3 blocks), ``trace`` by tracing every workload once (save=True); stops at ``quit``."""
+    forward (best of 3 blocks), ``trace all|none`` by tracing every workload once with save=True|None; stops
+    at ``quit``."""
     torch.set_num_threads(2)
     work = models.workloads()
     for model, x in work.values():
@@ -106,15 +107,18 @@ def plain_worker() -> None:
             model, x = work[cmd[1]]
             print(best_of(plain_fn(model, x), int(cmd[2])), flush=True)
         elif cmd[0] == "trace":
+            save = {"all": True, "none": None}[cmd[1]]
             for model, x in work.values():
-                trace_fn(model, x, True)()
+                trace_fn(model, x, save)()
             gc.collect()
             print("done", flush=True)
         else:
             return
 
 
-def after_trace_check(names: list[str], reps: dict[str, int], rounds: int) -> dict[str, dict[str, float]]:
+def after_trace_check(
+    names: list[str], reps: dict[str, int], rounds: int, *, save: str = "all"
+) -> dict[str, dict[str, float]]:
     """How much slower a plain forward is after one trace than before any trace, in the same process.
 
     A 2% effect drowns in the load drift of a shared machine between a "before" and an "after" phase, so two
@@ -154,7 +158,7 @@ def after_trace_check(names: list[str], reps: dict[str, int], rounds: int) -> di
         for role in workers:
             read(role)  # "ready"
         before = phase()
-        ask("traced", "trace")
+        ask("traced", f"trace {save}")
         after = phase()
     finally:
         for proc in workers.values():

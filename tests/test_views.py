@@ -252,3 +252,40 @@ def test_to_pandas_one_row_per_op_schema_columns_and_dtypes(trace):
     assert row["flops"] == conv.flops and row["out_shapes"] == ((2, 8, 4, 4),)
     assert row["parents"] == conv.parents and row["params"] == ("block.conv1.weight",)
     assert df.groupby("module", observed=True)["duration_ns"].sum()["block.conv1"] == conv.duration_ns
+
+
+def test_summary_module_called_twice_and_failed_trace():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.fc(self.act(x)))
+
+    with torch.no_grad():
+        t = tl.trace(Twice(), torch.randn(3, 4))
+    rows = {r["address"]: r for r in module_rows(t)}
+    # act runs one relu per call: 2 calls, 2 ops, its time the sum of both relus.
+    assert rows["act"]["calls"] == 2 and rows["act"]["ops"] == 2
+    assert rows["act"]["duration_ns"] == t["relu_1"].duration_ns + t["relu_2"].duration_ns
+    line = next(ln for ln in t.summary().splitlines() if ln.strip().startswith("act "))
+    assert line.split()[:4] == ["act", "ReLU", "2", "2"]
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) @ torch.randn(5, 5)  # shapes do not match: mm raises
+
+    with pytest.raises(RuntimeError) as err:
+        tl.trace(Boom(), torch.randn(3, 4))
+    partial = err.value.tl_trace
+    # The failing mm would have been op len(partial): the ops before it were recorded, it was not.
+    expected = (
+        f"failed at op {len(partial)} (mm in <top>): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+    )
+    assert partial.summary().splitlines()[1].startswith(expected)
