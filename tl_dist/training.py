@@ -240,6 +240,14 @@ class TrainingState:
         index, outs = rec.pending
         rec.pending = None
         token = rec.token
+        if not self.hooks_on and len(outs) == 1:  # the common case, kept short: it runs for every op
+            node = outs[0].grad_fn
+            if node is not None:
+                meta = node.metadata
+                old = meta.get(_KEY)
+                if old is None or old[0] is not token:
+                    meta[_KEY] = (token, index)
+            return
         link = (token, index)
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         for pos, o in enumerate(outs):
