@@ -51,7 +51,8 @@ class MergedTrace:
         incomplete: set[tuple[int, int]],
         shard_errors: dict[tuple[int, int], str],
     ) -> None:
-        self._traces = traces
+        self._traces = traces  # full Traces, or the merge's ShardTables (full trace loaded on demand)
+        self._full: dict[tuple[int, int], Trace] = {}
         self.world_size = world_size
         self.steps = sorted({s for s, _ in traces} | {s for s, _ in shard_errors})
         self.joined = joined
@@ -78,13 +79,33 @@ class MergedTrace:
             if len(steps) > 1:
                 raise ValueError(f"step: rank {rank} has shards for steps {steps}; pass step=")
             step = steps[0] if steps else None
-        trace = self._traces.get((step, rank))
-        if trace is None:
+        key = (step, rank)
+        if key not in self._traces:
             raise KeyError(f"no readable shard for rank {rank} at step {step}; ranks: {self.ranks}")
-        return trace
+        return self._full_trace(key)
+
+    def _full_trace(self, key: tuple[int, int]) -> Trace:
+        from ..trace import Trace
+        from .sources import load_shard
+
+        tables = self._traces[key]
+        if isinstance(tables, Trace):
+            return tables
+        if key not in self._full:
+            self._full[key] = load_shard(tables.path)
+        return self._full[key]
 
     def traces(self) -> dict[tuple[int, int], Trace]:
-        """All loaded traces keyed by (step, rank)."""
+        """Every rank's full trace keyed by (step, rank); shards are read on first use (saved tensors lazily).
+
+        Example:
+            >>> g.traces()[(100, 3)]["relu_1"].out
+        """
+        return {key: self._full_trace(key) for key in sorted(self._traces)}
+
+    def tables(self) -> dict[tuple[int, int], Any]:
+        """Per (step, rank) what the merge read: op columns ``sources.MERGE_FIELDS`` (all columns when built
+        from full traces), the collective table, metadata and failed_op."""
         return dict(self._traces)
 
     def __repr__(self) -> str:

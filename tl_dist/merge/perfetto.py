@@ -20,7 +20,7 @@ _PHASE_TID = {"forward": 1, "backward": 2, "optimizer": 3}
 
 def perfetto_events(g: MergedTrace) -> list[dict[str, Any]]:
     """The trace events (metadata, slices, flows) as dicts."""
-    traces = g.traces()
+    traces = g.tables()
     if not traces:
         return []
     base = (

@@ -67,11 +67,109 @@ def _ref(p: Path) -> ShardRef:
     return ShardRef(p, int(m.group(1)), int(m.group(2)))
 
 
-def load_shard(ref: ShardRef) -> Trace:
-    """Load one shard without its saved tensors (the merge needs only tables; memory stays flat)."""
+# The op columns the merge itself reads; the rest (parents, shapes, module stacks: the costly ragged ones) are
+# read only when a view needs a rank's full trace (``MergedTrace.rank``).
+MERGE_FIELDS = (
+    "index",
+    "label",
+    "func",
+    "kind",
+    "phase",
+    "module",
+    "source",
+    "start_ns",
+    "duration_ns",
+    "flops",
+)
+
+
+class ShardTables:
+    """What the merge reads of one shard: some op columns, the collective table, metadata, failed_op.
+
+    Duck-types the parts of :class:`~tl_dist.trace.Trace` the merge's analyzers use (``columns``,
+    ``collective_table``, ``metadata``, ``failed_op``, ``len``).
+    """
+
+    __slots__ = ("path", "columns", "collective_table", "metadata", "failed_op", "_n")
+
+    def __init__(
+        self, path: Path, columns: dict, collective_table: dict, metadata: dict, failed_op: Any
+    ) -> None:
+        self.path = path
+        self.columns = columns
+        self.collective_table = collective_table
+        self.metadata = metadata
+        self.failed_op = failed_op
+        self._n = len(columns["index"])
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def rank(self) -> Any:
+        return self.metadata.get("rank")
+
+    @property
+    def step(self) -> Any:
+        return self.metadata.get("step")
+
+    @property
+    def world_size(self) -> Any:
+        return self.metadata.get("world_size")
+
+
+def load_tables(ref: ShardRef) -> ShardTables:
+    """Read the tables the merge needs from one shard (no saved tensors, no ragged op columns).
+
+    Uses the store's column codecs and its layout checks; a full trace comes from ``tl.load``.
+
+    Raises:
+        ShardFormatError: the file is missing, not HDF5, corrupt, or of a newer schema (names the file).
+    """
+    import json
+
+    import h5py
+
+    from ..errors import ShardFormatError
+    from ..schema import COLLECTIVE_FIELDS, OP_FIELDS, SCHEMA_VERSION
+    from ..store.codecs import read_column, read_table
+
+    path = ref.path
+    try:
+        root = h5py.File(path, "r")
+    except OSError as exc:
+        raise ShardFormatError(
+            f"{path}: not a readable HDF5 file (truncated, corrupt or not HDF5): {exc}"
+        ) from exc
+    try:
+        with root:
+            if root.attrs.get("encoding-type") != "tl_dist.shard":
+                raise ShardFormatError(f"{path}: not a tl_dist shard (root encoding-type attribute)")
+            version = int(root.attrs.get("schema_version", -1))
+            if version > SCHEMA_VERSION:
+                raise ShardFormatError(
+                    f"{path}: written with shard schema version {version}, this tl_dist reads up to "
+                    f"{SCHEMA_VERSION}; upgrade tl_dist to read it"
+                )
+            metadata = json.loads(root.attrs["metadata"])
+            failed_op = json.loads(root.attrs["failed_op"]) if "failed_op" in root.attrs else None
+            ops = root["ops"]
+            n = int(ops.attrs["n-rows"])
+            fields = {f.name: f for f in OP_FIELDS}
+            columns = {name: read_column(ops, fields[name], n) for name in MERGE_FIELDS}
+            collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS)
+    except ShardFormatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is a format problem of this file
+        raise ShardFormatError(f"{path}: corrupt or incomplete shard: {type(exc).__name__}: {exc}") from exc
+    return ShardTables(path, columns, collective_table, metadata, failed_op)
+
+
+def load_shard(path: Path) -> Trace:
+    """The full trace of one shard (saved tensors read lazily, on first access)."""
     from ..store import load
 
-    return load(ref.path, tensors=False)
+    return load(path)
 
 
 def shard_facts(trace: Trace, ref: ShardRef) -> tuple[int, int, int | None, bool]:
@@ -109,7 +207,7 @@ def read_all(refs: list[ShardRef], *, strict: bool, progress: bool) -> tuple[dic
         iterator = tqdm(refs, desc="reading shards", unit="shard", leave=False)
     for ref in iterator:
         try:
-            trace = load_shard(ref)
+            trace = load_tables(ref)
             _, step, world, complete = shard_facts(trace, ref)
         except TlDistError as exc:
             if strict:

@@ -95,7 +95,7 @@ def summary(g: MergedTrace) -> str:
     """The text report ``g.summary()`` returns."""
     lines = [
         f"tl_dist merged trace: {len(g.ranks)}/{g.world_size} ranks, steps {g.steps}, "
-        f"{sum(len(t) for t in g.traces().values())} ops, {len(g.joined)} collectives",
+        f"{sum(len(t) for t in g.tables().values())} ops, {len(g.joined)} collectives",
     ]
     verdicts: dict[str, int] = {}
     for j in g.joined:
