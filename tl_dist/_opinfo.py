@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from .collectives import comm_op
+
 # Namespaces whose ops are communication, not compute. Collective recognition proper (normalised names,
 # group, sequence number) lives in tl_dist.collectives; this only tags the kind.
 COLLECTIVE_NAMESPACES = frozenset(
@@ -18,7 +20,17 @@ COLLECTIVE_NAMESPACES = frozenset(
 class OpInfo:
     """What tl_dist needs to know about one operator overload, independent of its arguments."""
 
-    __slots__ = ("func", "aten", "namespace", "kind", "flop_fn", "mutated", "nondeterministic", "counter_key")
+    __slots__ = (
+        "func",
+        "aten",
+        "namespace",
+        "kind",
+        "flop_fn",
+        "mutated",
+        "nondeterministic",
+        "counter_key",
+        "comm",
+    )
 
     def __init__(self, op: Any) -> None:
         packet = getattr(op, "overloadpacket", None)
@@ -37,7 +49,14 @@ class OpInfo:
             )
         tags = getattr(op, "tags", ())
         self.nondeterministic = torch.Tag.nondeterministic_seeded in tags
-        if self.namespace in COLLECTIVE_NAMESPACES:
+        # Communication ops (tl_dist.collectives): normalised func (all_reduce), declared mutations.
+        self.comm = comm_op(op) if self.namespace in COLLECTIVE_NAMESPACES else None
+        if self.comm is not None:
+            self.func = self.comm.func
+            self.mutated = self.comm.mutated or self.mutated
+        if self.comm is not None and self.comm.spec is None:  # wait_tensor, _wrap_tensor_autograd
+            self.kind = "compute"
+        elif self.namespace in COLLECTIVE_NAMESPACES:
             self.kind = "collective"
         elif getattr(op, "is_view", False):
             self.kind = "view"

@@ -17,6 +17,7 @@ import torch
 from ._modules import ModuleTracker
 from ._opinfo import _CACHE as _OPINFO_CACHE
 from ._opinfo import mutated_tensors, op_info
+from .collectives import CollectiveLog
 from .schema import OP_FIELDS, field_names
 from .training import TrainingState, backward_link
 
@@ -126,6 +127,7 @@ class Recorder:
         self.params = self.modules.params
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
+        self.comm = CollectiveLog(self)
         # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
         self.pending: tuple[int, list[Tensor]] | None = None
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
@@ -252,6 +254,8 @@ class Recorder:
             tuple(param_names),
         )
         self.rows.append(row)
+        if info.comm is not None:  # collectives: the collective table, and the tensors c10d wrote in place
+            outs = self.comm.record(index, info.comm, args, kwargs, out, outs, t0, t1)
         if outs:
             if _grad_enabled():
                 self.pending = (index, outs)

@@ -134,9 +134,11 @@ class Capture:
     def _build_trace(self, output: Any) -> Trace:
         rec = self._recorder
         modules = rec.modules
+        columns = rec.columns()
         return Trace(
-            rec.columns(),
+            columns,
             {name: list(col) for name, col in modules.calls.items()},
+            collective_table=rec.comm.columns(columns),
             saved=rec.saved,
             replay=rec.replay,
             output_of={i: tuple(a) for i, a in rec.output_of.items()},

@@ -128,6 +128,7 @@ COLLECTIVE_FIELDS: tuple[Field, ...] = (
     Field("complete_ns", "int", "When it was observed complete, ns since the Unix epoch; -1 if never."),
     Field("state", "str", "`issued` (never seen complete: in flight at a crash or hang) or `completed`."),
     Field("bucket", "int", "DDP gradient bucket index for DDP's bucket all-reduce; -1 otherwise."),
+    Field("backend", "str", "The group's backend: `gloo`, `nccl`, ... ('' if unknown)."),
 )
 
 # One row per (op, value) whose statistics a capture with ``stats=`` recorded: the op's first floating-point

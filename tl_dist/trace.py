@@ -271,6 +271,29 @@ class Trace:
             raise TypeError(f"select() expects a selector such as tl.func('relu'), got {selector!r}")
         return [op for op in self if selector.match(op)]
 
+    @property
+    def collectives(self) -> list[Any]:
+        """The collectives in issue order, as :class:`tl_dist.collectives.Collective` views (group, seq, ...).
+
+        Example:
+            >>> [(c.func, c.seq, c.state) for c in trace.collectives]
+        """
+        from .collectives import Collective
+
+        return [Collective(self, r) for r in range(len(self.collective_table["op"]))]
+
+    def collectives_frame(self) -> Any:
+        """One row per collective, one column per ``schema.COLLECTIVE_FIELDS`` field, plus the op's label.
+
+        Example:
+            >>> trace.collectives_frame().groupby("func").bytes.sum()
+        """
+        from .views.table import columns_frame
+
+        frame = columns_frame(self.collective_table, COLLECTIVE_FIELDS)
+        frame.insert(1, "label", [self.columns["label"][i] for i in self.collective_table["op"]])
+        return frame
+
     def to_pandas(self) -> Any:
         """One row per op, one column per schema field (``schema.OP_FIELDS``).
 

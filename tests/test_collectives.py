@@ -1,0 +1,273 @@
+"""Collectives as first-class ops: every c10d / functional collective on real gloo ranks, with group, sequence
+number, sizes, completion and the ops that read its result."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from dist_helpers import run_ranks
+from torch import nn
+
+import tl_dist as tl
+from tl_dist._opinfo import op_info
+from tl_dist.collectives import _SPECS
+from tl_dist.schema import COLLECTIVE_FIELDS
+
+
+def _rows(trace):
+    """Plain-data copy of the collective table with each collective's op label and readers."""
+    out = []
+    for c in trace.collectives:
+        row = {f.name: getattr(c, f.name) for f in COLLECTIVE_FIELDS}
+        row["group_ranks"] = tuple(row["group_ranks"])
+        row["label"] = c.label
+        row["aten"] = trace[c.op].aten
+        row["kind"] = trace[c.op].kind
+        row["row_func"] = trace[c.op].func
+        row["inplace"] = trace[c.op].inplace
+        row["children"] = tuple(trace[i].func for i in c.children)
+        row["grandchildren"] = tuple(trace[j].func for i in c.children for j in trace[i].children)
+        out.append(row)
+    return out
+
+
+class CommModel(nn.Module):
+    """A forward that runs every c10d collective plus a functional and a subgroup all-reduce; each result is
+    read by the next op (mostly ``sum``), so the trace must show it as that op's parent."""
+
+    def __init__(self, subgroup):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.subgroup = subgroup
+
+    def forward(self, x):
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        dist.broadcast(x, src=0)
+        h = self.fc(x)  # reads the broadcast tensor
+        hd = h.detach()
+        parts = [torch.empty_like(hd) for _ in range(ws)]
+        dist.all_gather(parts, hd)
+        g = torch.stack(parts)
+        flat = torch.empty(2 * ws, 4)
+        dist.all_gather_into_tensor(flat, hd)
+        acc = flat.sum()
+        rs = torch.empty(2, 4)
+        dist.reduce_scatter_tensor(rs, g.reshape(2 * ws, 4).contiguous())
+        acc = acc + rs.sum()
+        rs2 = torch.empty(2, 4)
+        dist.reduce_scatter(rs2, [p.clone() for p in parts], op=dist.ReduceOp.MAX)
+        acc = acc + rs2.sum()
+        a2a_out = [torch.empty(2) for _ in range(ws)]
+        dist.all_to_all(a2a_out, [torch.full((2,), float(rank)) for _ in range(ws)])
+        acc = acc + torch.stack(a2a_out).sum()
+        a2a_single = torch.empty(2 * ws)
+        dist.all_to_all_single(a2a_single, torch.arange(2.0 * ws))
+        acc = acc + a2a_single.sum()
+        t = torch.ones(4) * (rank + 1)
+        dist.reduce(t, dst=1)
+        acc = acc + t.sum()
+        gathered = [torch.empty(4) for _ in range(ws)] if rank == 2 else None
+        dist.gather(t, gathered, dst=2)
+        if gathered is not None:
+            acc = acc + torch.stack(gathered).sum()
+        s = torch.empty(4)
+        dist.scatter(s, [torch.full((4,), float(i)) for i in range(ws)] if rank == 3 else None, src=3)
+        acc = acc + s.sum()
+        # A ring: even ranks send first, odd ranks receive first (no deadlock with any even world size).
+        msg, got = torch.full((4,), float(rank)), torch.empty(4)
+        if rank % 2 == 0:
+            dist.send(msg, (rank + 1) % ws)
+            dist.recv(got, (rank - 1) % ws)
+        else:
+            dist.recv(got, (rank - 1) % ws)
+            dist.send(msg, (rank + 1) % ws)
+        acc = acc + got.sum()
+        dist.barrier()
+        a = torch.ones(4)
+        work = dist.all_reduce(a, async_op=True)
+        work.wait()
+        acc = acc + a.sum()
+        f = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
+        acc = acc + f.sum()
+        u = torch.ones(4)
+        dist.all_reduce(u, group=self.subgroup)
+        acc = acc + u.sum()
+        return h.sum() + 0 * acc, {"got": got.tolist(), "a": a.tolist(), "u": u.tolist(), "x": x.tolist()}
+
+
+def _every_collective(rank, world_size, out_dir):
+    torch.manual_seed(0)
+    # new_group is collective: every rank creates both subgroups, then uses its own.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = CommModel(groups[rank // 2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.full((2, 4), float(rank))
+    with tl.capture() as cap:
+        loss, values = model(x)
+        loss.backward()
+        for p in model.parameters():  # the "step": average gradients by hand
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+        opt.step()
+    return {"rows": _rows(cap.trace), "values": values}
+
+
+@pytest.mark.slow
+def test_every_collective_four_ranks(tmp_path):
+    ws = 4
+    results = run_ranks(_every_collective, world_size=ws, tmp_path=tmp_path)
+    world = (0, 1, 2, 3)
+    for rank, res in enumerate(results):
+        rows = res["rows"]
+        ring = ["send", "recv"] if rank % 2 == 0 else ["recv", "send"]
+        funcs = [r["func"] for r in rows]
+        assert funcs == [
+            "broadcast",
+            "all_gather",
+            "all_gather",
+            "reduce_scatter",
+            "reduce_scatter",
+            "all_to_all",
+            "all_to_all",
+            "reduce",
+            "gather",
+            "scatter",
+            *ring,
+            "barrier",
+            "all_reduce",  # async
+            "all_reduce",  # functional
+            "all_reduce",  # subgroup
+            "all_reduce",  # step: fc.weight grad
+            "all_reduce",  # step: fc.bias grad
+        ], f"rank {rank}"
+        by = {r["label"]: r for r in rows}
+        # Op rows use the normalised name, collective kind, and the real operator.
+        assert by["broadcast_1"]["aten"] == "c10d.broadcast_.default"
+        assert by["all_gather_2"]["aten"] == "c10d._allgather_base_.default"
+        assert by["all_to_all_2"]["aten"] == "c10d.alltoall_base_.default"
+        assert by["all_reduce_2"]["aten"] == "_c10d_functional.all_reduce.default"
+        assert all(r["kind"] == "collective" and r["row_func"] == r["func"] for r in rows)
+        sub = (0, 1) if rank < 2 else (2, 3)
+        assert [r["group_ranks"] for r in rows] == [world] * 15 + [sub] + [world] * 2
+        assert by["all_reduce_3"]["seq"] == 1  # the subgroup's first collective: its own counter
+        world_seqs = [r["seq"] for r in rows if r["group_ranks"] == world]
+        assert world_seqs == sorted(world_seqs) and len(set(world_seqs)) == len(world_seqs)
+        assert all(
+            r["group_desc"] == "default_pg" and r["backend"] == "gloo"
+            for r in rows
+            if r["group_ranks"] == world
+        )
+        # Sizes (x is 2x4 float32; ws = 4): broadcast 8 -> 8, all_gather 8 -> 32, reduce_scatter 32 -> 8.
+        sizes = {lab: (by[lab]["in_numel"], by[lab]["out_numel"]) for lab in by}
+        assert sizes["broadcast_1"] == (8, 8) and by["broadcast_1"]["bytes"] == 32
+        assert sizes["all_gather_1"] == (8, 32) and sizes["all_gather_2"] == (8, 32)
+        assert sizes["reduce_scatter_1"] == (32, 8) and sizes["reduce_scatter_2"] == (32, 8)
+        assert sizes["all_to_all_1"] == (8, 8) and sizes["all_to_all_2"] == (8, 8)
+        assert sizes["reduce_1"] == (4, 4)
+        assert sizes["gather_1"] == (4, 16 if rank == 2 else 0)
+        assert sizes["scatter_1"] == (16 if rank == 3 else 0, 4)
+        assert sizes["send_1"] == (4, 0) and sizes["recv_1"] == (0, 4)
+        assert sizes["barrier_1"] == (0, 0)
+        assert sizes["all_reduce_4"] == (16, 16) and sizes["all_reduce_5"] == (4, 4)
+        assert all(r["dtype"] == "float32" for r in rows if r["func"] != "barrier")
+        # Roots and peers are global ranks.
+        assert [by[k]["root"] for k in ("broadcast_1", "reduce_1", "gather_1", "scatter_1")] == [0, 1, 2, 3]
+        assert by["send_1"]["peer"] == (rank + 1) % ws and by["recv_1"]["peer"] == (rank - 1) % ws
+        assert by["all_reduce_1"]["root"] == -1 and by["all_reduce_1"]["peer"] == -1
+        assert by["reduce_scatter_1"]["reduce_op"] == "sum" and by["reduce_scatter_2"]["reduce_op"] == "max"
+        assert by["all_reduce_2"]["reduce_op"] == "sum" and by["broadcast_1"]["reduce_op"] == ""
+        # async_op=True and the functional collective are async; the blocking API is not.
+        assert [r["is_async"] for r in rows if r["func"] == "all_reduce"] == [True, True, False, False, False]
+        assert not by["broadcast_1"]["is_async"]
+        # Everything completed, after it was issued.
+        late = [(r["label"], r["state"]) for r in rows if not r["complete_ns"] >= r["issue_ns"] > 0]
+        assert all(r["state"] == "completed" for r in rows) and not late, late
+        # Data edges: the ops reading each result are its children.
+        assert "addmm" in by["broadcast_1"]["children"]
+        assert "stack" in by["all_gather_1"]["children"]
+        for lab in ("all_gather_2", "all_to_all_2", "scatter_1", "recv_1"):
+            assert "sum" in by[lab]["children"], (lab, by[lab]["children"])
+        # Gloo's reduce_scatter fills its output with a copy_ when waited on (seen under the mode): the
+        # reader of the result hangs off that copy_.
+        for lab in ("reduce_scatter_1", "reduce_scatter_2"):
+            assert by[lab]["children"] == ("copy_",) and "sum" in by[lab]["grandchildren"], by[lab]
+        assert "stack" in by["all_to_all_1"]["children"]
+        assert "sum" in by["all_reduce_1"]["children"] and "sum" in by["all_reduce_3"]["children"]
+        assert by["all_reduce_2"]["children"] == ("_wrap_tensor_autograd",)
+        assert "div_" in by["all_reduce_4"]["children"] and "div_" in by["all_reduce_5"]["children"]
+        assert ("stack" in by["gather_1"]["children"]) == (rank == 2)
+        assert by["reduce_1"]["inplace"] and by["all_reduce_1"]["inplace"]
+        assert by["all_reduce_5"]["bucket"] == -1  # not DDP: issued outside backward
+        # The collectives really ran under capture: ring neighbour's value, sums over 4 and 2 ranks.
+        assert res["values"]["got"] == [float((rank - 1) % ws)] * 4
+        assert res["values"]["a"] == [4.0] * 4 and res["values"]["u"] == [2.0] * 4
+        assert res["values"]["x"] == [[0.0] * 4] * 2  # rank 0's x, broadcast
+    # Same collective, same (group, seq) on every member.
+    for k in range(18):
+        keys = {(results[r]["rows"][k]["group_ranks"], results[r]["rows"][k]["seq"]) for r in range(ws)}
+        if k == 15:
+            assert keys == {((0, 1), 1), ((2, 3), 1)}
+        else:
+            assert len(keys) == 1, (k, keys)
+    # p2p pairs: rank r's send matches rank r+1's recv on seq.
+    for r in range(ws):
+        send = next(x for x in results[r]["rows"] if x["func"] == "send")
+        recv = next(x for x in results[(r + 1) % ws]["rows"] if x["func"] == "recv")
+        assert send["seq"] == recv["seq"]
+
+
+def _inflight(rank, world_size, out_dir):
+    """An async all-reduce that cannot complete while the window is open (rank 0 joins only after rank 1's
+    window closed): it must come back `issued`, and closing the window must not wait for it."""
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.ones(8)
+    if rank == 1:
+        with tl.capture() as cap:
+            work = dist.all_reduce(t, async_op=True)
+            y = t * 2  # reads the buffer before completion: still a child
+        frame = cap.trace.collectives_frame()
+        store.set("window_closed", "1")
+        work.wait()
+        return {
+            "state": frame.state.tolist(),
+            "complete": frame.complete_ns.tolist(),
+            "label": frame.label.tolist(),
+            "children": [cap.trace[i].func for i in cap.trace.collectives[0].children],
+            "value": t.tolist(),
+            "y": y.shape[0],
+        }
+    store.wait(["window_closed"])
+    dist.all_reduce(t)
+    return {"value": t.tolist()}
+
+
+@pytest.mark.slow
+def test_inflight_collective_stays_issued(tmp_path):
+    results = run_ranks(_inflight, world_size=2, tmp_path=tmp_path, timeout=90)
+    assert results[1]["state"] == ["issued"] and results[1]["complete"] == [-1]
+    assert results[1]["label"] == ["all_reduce_1"] and results[1]["children"] == ["mul"]
+    assert results[0]["value"] == results[1]["value"] == [2.0] * 8
+
+
+def test_specs_match_the_operator_schemas():
+    """Every spec names arguments that exist in its operator's schema on this torch (catches renames)."""
+    for (ns, name), spec in _SPECS.items():
+        packet = getattr(getattr(torch.ops, ns), name)
+        op = packet.default
+        info = op_info(op)
+        arg_names = {a.name for a in op._schema.arguments}
+        for arg in (spec.inputs, spec.outputs, spec.reduce_op, spec.root, spec.peer):
+            assert arg in (None, "return") or arg in arg_names, (ns, name, arg, arg_names)
+        assert {"process_group", "group_name"} & arg_names, (ns, name)
+        assert info.func == spec.func and info.kind == "collective"
+        if spec.outputs not in (None, "return"):
+            assert info.mutated, (ns, name)  # copy-on-write must know the collective writes its output
+    wait = op_info(torch.ops._c10d_functional.wait_tensor.default)
+    assert wait.kind == "compute" and wait.func == "wait_tensor"
+
+
+def test_trace_without_collectives_has_empty_table():
+    trace = tl.trace(nn.Linear(3, 2), torch.randn(1, 3))
+    assert trace.collectives == []
+    frame = trace.collectives_frame()
+    assert len(frame) == 0 and list(frame.columns)[:2] == ["op", "label"]

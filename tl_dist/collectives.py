@@ -1,0 +1,507 @@
+"""Collectives as first-class ops: recognise communication ops at the dispatcher and fill the collective table.
+
+Every collective is a row of the op table like any op (its ``func`` and label use the normalised name:
+``all_reduce_1``) and, in addition, a row of the collective table (``schema.COLLECTIVE_FIELDS``): group,
+sequence number, sizes, issue/completion times. Merge matches rows across ranks on ``(group_ranks, seq)``.
+
+Example:
+    >>> with tl.capture() as cap:
+    ...     dist.all_reduce(t)
+    ...     y = t * 2
+    >>> c = cap.trace.collectives[0]
+    >>> c.func, c.group_ranks, c.seq, c.state, cap.trace[c.op].children
+    ('all_reduce', (0, 1), 1, 'completed', (1,))
+    >>> cap.trace.collectives_frame()
+
+What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
+
+- ``torch.distributed`` calls dispatch ``c10d.*`` ops: ``allreduce_``, ``allgather_``, ``_allgather_base_``
+  (all_gather_into_tensor), ``reduce_scatter_``, ``_reduce_scatter_base_`` (reduce_scatter_tensor),
+  ``broadcast_``, ``reduce_``, ``gather_``, ``scatter_``, ``alltoall_``, ``alltoall_base_``
+  (all_to_all_single), ``barrier``, ``send``, ``recv_`` (isend/irecv use the same two ops). The process group
+  and the reduce op arrive as TorchScript objects (``ProcessGroup.unbox``; ``ReduceOp`` exposes ``op()``);
+  roots and peers are group ranks. Ops with ``async_op`` get ``False`` from the blocking Python API.
+- Functional collectives dispatch ``_c10d_functional.*`` (group by name) followed by ``_wrap_tensor_autograd``;
+  their ``wait_tensor`` reaches the mode only when called from user code (``AsyncCollectiveTensor.wait()``),
+  not when the AsyncCollectiveTensor waits inside another op's dispatch.
+- DDP's gradient buckets: one ``c10d.allreduce_`` of a flat 1-D bucket per bucket, issued from the autograd
+  engine (``torch._C._current_graph_task_id() != -1``), in bucket order. NB: DDP's first iteration runs with
+  one bucket; buckets are rebuilt (broadcasts inside DDP's forward) on the second.
+- FSDP2 (``fully_shard``): ``fsdp.all_gather_copy_in`` then ``c10d._allgather_base_``; in backward
+  ``fsdp.chunk_cat`` then ``c10d._reduce_scatter_base_``.
+- ``ProcessGroup._get_sequence_number_for_group()`` read right after issue is the collective's number (from 1)
+  and equal on every member; on gloo send and recv advance it on both peers. NB: ProcessGroupNCCL counts p2p
+  separately (``seqP2P_``) and reports the collective counter, so p2p rows on NCCL get ``seq == -1``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .schema import COLLECTIVE_FIELDS, field_names
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+Tensor = torch.Tensor
+_perf_ns = time.perf_counter_ns
+_TAG = "_tl_src"  # the recorder's tensor tag (see _recorder); repeated here to avoid an import cycle
+_COLUMN = {name: i for i, name in enumerate(field_names(COLLECTIVE_FIELDS))}
+P2P = frozenset({"send", "recv"})
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Where one communication op keeps its data and parameters, by schema argument name."""
+
+    func: str
+    inputs: str | None = None  # argument holding the tensors this rank contributes
+    outputs: str | None = None  # argument receiving the result; "return" when the op returns it
+    reduce_op: str | None = None
+    root: str | None = None  # group rank of the root
+    peer: str | None = None  # group rank of the p2p peer
+
+
+_C10D = "process_group"
+_SPECS: dict[tuple[str, str], _Spec] = {
+    ("c10d", "allreduce_"): _Spec("all_reduce", "tensors", "tensors", "reduce_op"),
+    ("c10d", "allreduce_coalesced_"): _Spec("all_reduce", "tensors", "tensors", "reduce_op"),
+    ("c10d", "allgather_"): _Spec("all_gather", "input_tensors", "output_tensors"),
+    ("c10d", "_allgather_base_"): _Spec("all_gather", "input_tensor", "output_tensor"),
+    ("c10d", "allgather_coalesced_"): _Spec("all_gather", "input_list", "output_lists"),
+    ("c10d", "allgather_into_tensor_coalesced_"): _Spec("all_gather", "inputs", "outputs"),
+    ("c10d", "reduce_scatter_"): _Spec("reduce_scatter", "input_tensors", "output_tensors", "reduce_op"),
+    ("c10d", "_reduce_scatter_base_"): _Spec("reduce_scatter", "input_tensor", "output_tensor", "reduce_op"),
+    ("c10d", "reduce_scatter_tensor_coalesced_"): _Spec("reduce_scatter", "inputs", "outputs", "reduce_op"),
+    ("c10d", "broadcast_"): _Spec("broadcast", "tensors", "tensors", root="root_rank"),
+    ("c10d", "reduce_"): _Spec("reduce", "tensors", "tensors", "reduce_op", root="root_rank"),
+    ("c10d", "gather_"): _Spec("gather", "input_tensors", "output_tensors", root="root_rank"),
+    ("c10d", "scatter_"): _Spec("scatter", "input_tensors", "output_tensors", root="root_rank"),
+    ("c10d", "alltoall_"): _Spec("all_to_all", "input_tensors", "output_tensors"),
+    ("c10d", "alltoall_base_"): _Spec("all_to_all", "input", "output"),
+    ("c10d", "barrier"): _Spec("barrier"),
+    ("c10d", "monitored_barrier_"): _Spec("barrier"),
+    ("c10d", "send"): _Spec("send", "tensors", peer="dst"),
+    ("c10d", "recv_"): _Spec("recv", None, "tensors", peer="src"),
+    ("c10d", "recv_any_source_"): _Spec("recv", None, "tensors"),
+    ("_c10d_functional", "all_reduce"): _Spec("all_reduce", "input", "return", "reduce_op"),
+    ("_c10d_functional", "all_reduce_"): _Spec("all_reduce", "input", "input", "reduce_op"),
+    ("_c10d_functional", "all_reduce_coalesced"): _Spec("all_reduce", "inputs", "return", "reduce_op"),
+    ("_c10d_functional", "all_reduce_coalesced_"): _Spec("all_reduce", "inputs", "inputs", "reduce_op"),
+    ("_c10d_functional", "all_gather_into_tensor"): _Spec("all_gather", "input", "return"),
+    ("_c10d_functional", "all_gather_into_tensor_out"): _Spec("all_gather", "input", "out"),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): _Spec("all_gather", "inputs", "return"),
+    ("_c10d_functional", "reduce_scatter_tensor"): _Spec("reduce_scatter", "input", "return", "reduce_op"),
+    ("_c10d_functional", "reduce_scatter_tensor_out"): _Spec("reduce_scatter", "input", "out", "reduce_op"),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): _Spec(
+        "reduce_scatter", "inputs", "return", "reduce_op"
+    ),
+    ("_c10d_functional", "all_to_all_single"): _Spec("all_to_all", "input", "return"),
+    ("_c10d_functional", "broadcast"): _Spec("broadcast", "input", "return", root="src"),
+    ("_c10d_functional", "broadcast_"): _Spec("broadcast", "input", "input", root="src"),
+    ("_c10d_functional", "isend"): _Spec("send", "tensor", peer="dst"),
+    ("_c10d_functional", "irecv"): _Spec("recv", None, "return", peer="src"),
+    ("_c10d_functional_autograd", "all_to_all_single"): _Spec("all_to_all", "input", "return"),
+    ("_c10d_functional_autograd", "reduce_scatter_tensor"): _Spec(
+        "reduce_scatter", "input", "return", "reduce_op"
+    ),
+    ("_c10d_functional_autograd", "all_gather_into_tensor"): _Spec("all_gather", "input", "return"),
+}
+# Communication helpers that are not collectives themselves: wait_tensor completes a functional collective.
+_WAIT = ("_c10d_functional", "wait_tensor")
+_HELPERS = frozenset({_WAIT, ("_c10d_functional", "_wrap_tensor_autograd"), ("c10d", "check_for_nan")})
+
+_REDUCE_NAMES = {int(v): k.lower() for k, v in torch.distributed.ReduceOp.RedOpType.__members__.items()}
+
+
+class CommOp:
+    """A communication overload's spec resolved against its schema: argument positions, defaults, mutations."""
+
+    __slots__ = ("spec", "func", "ns", "is_wait", "_pos", "_default_async", "mutated", "has_async_arg")
+
+    def __init__(self, op: Any, spec: _Spec | None, *, ns: str, is_wait: bool = False) -> None:
+        self.spec = spec
+        self.ns = ns
+        self.func = spec.func if spec is not None else op.overloadpacket.__name__
+        self.is_wait = is_wait
+        args = op._schema.arguments
+        self._pos = {a.name: i for i, a in enumerate(args)}
+        async_arg = next((a for a in args if a.name == "async_op"), None)
+        self.has_async_arg = async_arg is not None
+        self._default_async = bool(async_arg.default_value) if async_arg is not None else False
+        # c10d's schemas do not mark their written arguments (a!), so the recorder would not know that
+        # allreduce_ overwrites its input; declaring it lets copy-on-write protect saved tensors.
+        self.mutated: tuple[tuple[int, str], ...] = ()
+        if spec is not None and spec.outputs not in (None, "return"):
+            self.mutated = ((self._pos[spec.outputs], spec.outputs),)
+
+    def arg(self, name: str | None, args: tuple, kwargs: dict, default: Any = None) -> Any:
+        if name is None:
+            return default
+        pos = self._pos[name]
+        if pos < len(args):
+            return args[pos]
+        return kwargs.get(name, default)
+
+    def is_async(self, args: tuple, kwargs: dict) -> bool:
+        if not self.has_async_arg:
+            # Functional collectives always return before completion; c10d send/recv cannot tell isend from
+            # send at the dispatcher (NB: reported as not async).
+            return self.ns != "c10d"
+        return bool(self.arg("async_op", args, kwargs, self._default_async))
+
+
+def comm_op(op: Any) -> CommOp | None:
+    """The :class:`CommOp` of ``op`` if it is a communication op tl_dist knows, else None (called once per
+    overload by ``_opinfo``)."""
+    key = (getattr(op, "namespace", ""), op.overloadpacket.__name__ if hasattr(op, "overloadpacket") else "")
+    spec = _SPECS.get(key)
+    if spec is None and key not in _HELPERS:
+        return None
+    return CommOp(op, spec, ns=key[0], is_wait=key == _WAIT)
+
+
+def _flat(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        out: list[Tensor] = []
+        for v in value:
+            out.extend(_flat(v))
+        return out
+    return []
+
+
+class _Group:
+    __slots__ = ("pg", "ranks", "name", "desc", "backend")
+
+    def __init__(self, pg: Any) -> None:
+        import torch.distributed as dist
+
+        self.pg = pg  # held so that the cache key (id) cannot be reused by another group
+        try:
+            self.ranks = tuple(dist.get_process_group_ranks(pg))
+        except (ValueError, RuntimeError, KeyError):
+            # A group c10d's Python registry does not know (created in C++): its size is all we can tell.
+            self.ranks = tuple(range(pg.size())) if pg.size() == dist.get_world_size() else ()
+        self.name = str(getattr(pg, "group_name", ""))
+        self.desc = str(getattr(pg, "group_desc", ""))
+        try:
+            self.backend = pg._get_backend_name()
+        except RuntimeError:
+            self.backend = ""
+
+
+class CollectiveLog:
+    """Collects the collective rows of one capture; owned by the recorder (``recorder.comm``).
+
+    Completion is observed without blocking the user: a done-callback on each c10d Work's future (CPU
+    backends complete it when the data is there), polling ``Work.is_completed()`` at later collectives and at
+    window end (CUDA, where the future completes on enqueue), and ``wait_tensor`` for functional collectives.
+    """
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self.rows: list[list] = []
+        self._groups: dict[int, _Group] = {}
+        self._by_name: dict[str, _Group] = {}
+        self._done: dict[int, int] = {}  # row -> perf ns when seen complete (written from c10d threads)
+        self._polled: list[tuple[int, Any, Any]] = []  # (row, Work, its future or None) not seen complete
+        self._sync_polled: dict[int, int] = {}  # blocking collective -> perf ns when is_completed() said so
+        self._blocking: dict[int, None] = {}  # rows issued through the blocking API (async_op=False)
+        self._functional: dict[int, int] = {}  # op index -> row, completed by wait_tensor / first reader
+        self._ddp: dict[int, int] = {}  # autograd graph task -> DDP buckets seen in it
+
+    def _group(self, value: Any) -> _Group | None:
+        if isinstance(value, str):
+            group = self._by_name.get(value)
+            if group is None:
+                pg = torch._C._distributed_c10d._resolve_process_group(value)
+                group = self._by_name[value] = self._group(pg)
+            return group
+        if type(value).__name__ == "ScriptObject":
+            value = torch.distributed.ProcessGroup.unbox(value)
+        if value is None:
+            return None
+        group = self._groups.get(id(value))
+        if group is None:
+            group = self._groups[id(value)] = _Group(value)
+        return group
+
+    def record(
+        self,
+        index: int,
+        comm: CommOp,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        outs: list[Tensor],
+        t0: int,
+        t1: int,
+    ) -> list[Tensor]:
+        """Add the collective row for op ``index`` (already in the op table); returns the op's data outputs."""
+        recorder = self.recorder
+        if comm.spec is None:
+            if comm.is_wait:
+                self._on_wait(recorder, args, t1)
+            return outs
+        spec = comm.spec
+        group_arg = comm.arg("process_group", args, kwargs) if "process_group" in comm._pos else None
+        if group_arg is None and "group_name" in comm._pos:
+            group_arg = comm.arg("group_name", args, kwargs)
+        group = self._group(group_arg)
+        ranks = group.ranks if group is not None else ()
+        seq = -1
+        if group is not None:
+            if not (spec.func in P2P and group.backend == "nccl"):
+                seq = int(group.pg._get_sequence_number_for_group())
+
+        inputs = _flat(comm.arg(spec.inputs, args, kwargs))
+        if spec.outputs == "return":
+            data_outs = _flat(out)
+        else:
+            data_outs = _flat(comm.arg(spec.outputs, args, kwargs))
+        if spec.func == "barrier":
+            inputs, data_outs = [], []  # the barrier's tensor is a placeholder, not data
+        if data_outs and data_outs is not outs and [id(t) for t in data_outs] != [id(t) for t in outs]:
+            outs = self._retag(recorder, index, data_outs)
+
+        reduce_op = comm.arg(spec.reduce_op, args, kwargs)
+        if reduce_op is not None and not isinstance(reduce_op, str):
+            reduce_op = _REDUCE_NAMES.get(int(reduce_op.op()), str(reduce_op.op()))
+        root = _global(ranks, comm.arg(spec.root, args, kwargs, -1))
+        peer = _global(ranks, comm.arg(spec.peer, args, kwargs, -1))
+        first = inputs[0] if inputs else (data_outs[0] if data_outs else None)
+        in_numel = sum(t.numel() for t in inputs)
+        is_async = comm.is_async(args, kwargs)
+        bucket = -1
+        if spec.func == "all_reduce" and comm.ns == "c10d" and len(inputs) == 1 and inputs[0].dim() == 1:
+            task = torch._C._current_graph_task_id()
+            if task != -1:
+                bucket = self._ddp.get(task, 0)
+                self._ddp[task] = bucket + 1
+        row_i = len(self.rows)
+        self.rows.append(
+            [
+                index,
+                spec.func,
+                ranks,
+                group.name if group is not None else "",
+                group.desc if group is not None else "",
+                seq,
+                (reduce_op or "").lower(),
+                root,
+                peer,
+                in_numel,
+                sum(t.numel() for t in data_outs),
+                str(first.dtype).replace("torch.", "") if first is not None else "",
+                sum(t.numel() * t.element_size() for t in inputs),
+                is_async,
+                t0,
+                -1,
+                "issued",
+                bucket,
+                group.backend if group is not None else "",
+            ]
+        )
+        self._watch(row_i, comm, out, first, t1)
+        if comm.has_async_arg and not is_async:
+            self._blocking[row_i] = None
+        if self._polled:
+            self.poll()
+        return outs
+
+    def _watch(self, row_i: int, comm: CommOp, out: Any, first: Tensor | None, t1: int) -> None:
+        if comm.ns != "c10d":
+            self._functional[self.rows[row_i][0]] = row_i
+            return
+        work = _work(out)
+        if work is None:
+            self._done[row_i] = t1  # returned no Work: complete when the op returned
+            return
+        # Every Work is also polled: gloo's reduce_scatter and p2p Works have no future, the NCCL future
+        # completes on enqueue (only is_completed(), on CUDA events, tells the truth there), and a gloo future
+        # wakes its waiters before it runs callbacks or marks the Work complete, so a window closing right
+        # after DDP's final wait can see neither: future.done() is already true then.
+        if first is not None and first.is_cuda:
+            self._polled.append((row_i, work, None))
+            return
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # a backend whose Work has no future: polling alone
+            self._polled.append((row_i, work, None))
+            return
+        self._polled.append((row_i, work, fut))
+        done = self._done
+
+        def _on_done(_fut: Any, row_i: int = row_i) -> None:
+            done.setdefault(row_i, _perf_ns())
+
+        fut.add_done_callback(_on_done)
+
+    def _retag(self, recorder: Any, index: int, data_outs: list[Tensor]) -> list[Tensor]:
+        """Tag the tensors the collective wrote (c10d returns some only through its arguments) and fix the
+        op row's output columns to describe them."""
+        from ._recorder import _FIELD_INDEX, _device_name, _dtype_name
+
+        token = recorder.token
+        for pos, t in enumerate(data_outs):
+            setattr(t, _TAG, (token, index, pos))
+        row = list(recorder.rows[index])
+        row[_FIELD_INDEX["out_shapes"]] = tuple(t.shape for t in data_outs)
+        row[_FIELD_INDEX["dtype"]] = _dtype_name(data_outs[0].dtype)
+        row[_FIELD_INDEX["device"]] = _device_name(data_outs[0].device)
+        row[_FIELD_INDEX["out_bytes"]] = sum(t.numel() * t.element_size() for t in data_outs)
+        recorder.rows[index] = tuple(row)
+        return data_outs
+
+    def _on_wait(self, recorder: Any, args: tuple, t1: int) -> None:
+        tag = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
+        if tag is not None and tag[0] is recorder.token:
+            row_i = self._functional.get(tag[1])
+            if row_i is not None:
+                self._done.setdefault(row_i, t1)
+
+    def poll(self) -> None:
+        """Check (without waiting) the works whose completion only ``is_completed()`` reports."""
+        still = []
+        done, blocking = self._done, self._blocking
+        for row_i, work, fut in self._polled:
+            if row_i in done:
+                continue
+            try:
+                finished = work.is_completed() or (fut is not None and fut.done())
+            except RuntimeError:  # the work failed: it never completed
+                continue
+            if not finished:
+                still.append((row_i, work, fut))
+            elif row_i in blocking:
+                self._sync_polled[row_i] = _perf_ns()
+            else:
+                done[row_i] = _perf_ns()
+        self._polled = still
+
+    def columns(self, op_columns: dict[str, list] | None = None) -> dict[str, list]:
+        """The collective table as columns (``schema.COLLECTIVE_FIELDS`` order), completion resolved so far.
+
+        Never blocks: a collective not seen complete stays ``issued`` (what a post-mortem wants to see).
+        ``op_columns`` (the op table) lets a functional collective whose result another op read count as
+        completed by the end of its first reader (NB: an upper bound; the AsyncCollectiveTensor waited inside
+        that op's dispatch, where no mode sees it).
+        """
+        self.poll()
+        offset = self.recorder.clock_offset_ns
+        done = dict(self._done)
+        if op_columns is not None and self._functional:
+            done.update(_first_reader_ends(self._functional, done, op_columns, offset))
+        n_ops = len(op_columns["start_ns"]) if op_columns is not None else 0
+        for row_i in self._blocking:
+            if row_i in done:
+                continue
+            # The blocking API returns only after Work.wait(): once the next op started, the collective had
+            # completed. Gloo's reduce_scatter Work has no future and never reports is_completed(), so this is
+            # the only sign it finished. NB: an upper bound.
+            nxt = self.rows[row_i][0] + 1
+            seen = self._sync_polled.get(row_i)
+            if nxt < n_ops:
+                start = op_columns["start_ns"][nxt] - offset
+                done[row_i] = min(seen, start) if seen is not None else start
+            elif seen is not None:
+                done[row_i] = seen
+        names = field_names(COLLECTIVE_FIELDS)
+        cols: dict[str, list] = {name: [] for name in names}
+        i_issue, i_complete, i_state = _COLUMN["issue_ns"], _COLUMN["complete_ns"], _COLUMN["state"]
+        for row_i, row in enumerate(self.rows):
+            row = list(row)
+            row[i_issue] += offset  # rows hold perf-counter ns, like the recorder's; the table is epoch ns
+            t = done.get(row_i)
+            if t is not None:
+                row[i_complete] = t + offset
+                row[i_state] = "completed"
+            for name, value in zip(names, row):
+                cols[name].append(value)
+        return cols
+
+
+def _first_reader_ends(
+    functional: dict[int, int], done: dict[int, int], op_columns: dict[str, list], offset: int
+) -> dict[int, int]:
+    pending = {op: row for op, row in functional.items() if row not in done}
+    if not pending:
+        return {}
+    # _wrap_tensor_autograd only wraps the result: its readers read the collective.
+    wraps = {}
+    for i, (func, parents) in enumerate(zip(op_columns["func"], op_columns["parents"])):
+        if func == "_wrap_tensor_autograd" and len(parents) == 1 and parents[0] in pending:
+            wraps[i] = parents[0]
+    found: dict[int, int] = {}
+    starts, durations = op_columns["start_ns"], op_columns["duration_ns"]
+    for i, parents in enumerate(op_columns["parents"]):
+        if i in wraps:
+            continue
+        for p in parents:
+            src = wraps.get(p, p)
+            row = pending.get(src)
+            if row is not None and row not in found:
+                # start_ns is already on the epoch clock; _done holds perf-counter ns.
+                found[row] = starts[i] + durations[i] - offset
+    return found
+
+
+def _work(out: Any) -> Any:
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    for item in items:
+        if type(item).__name__ == "ScriptObject":
+            try:
+                return torch._C._distributed_c10d.Work.unbox(item)
+            except RuntimeError:
+                return None
+    return None
+
+
+def _global(ranks: tuple[int, ...], group_rank: Any) -> int:
+    if group_rank is None or group_rank < 0:
+        return -1
+    return ranks[group_rank] if group_rank < len(ranks) else -1
+
+
+class Collective:
+    """One collective of a trace: a view over a row of ``trace.collective_table``. Attributes are
+    ``schema.COLLECTIVE_FIELDS`` (``.func .group_ranks .seq .state .complete_ns`` ...) plus ``.label`` and
+    ``.children`` of its op.
+
+    Example:
+        >>> c = trace.collectives[0]
+        >>> c.func, c.seq, c.label, [trace[i].func for i in c.children]
+    """
+
+    __slots__ = ("_trace", "row")
+
+    def __init__(self, trace: Trace, row: int) -> None:
+        self._trace = trace
+        self.row = row
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _COLUMN:
+            return self._trace.collective_table[name][self.row]
+        raise AttributeError(f"Collective has no attribute {name!r}; fields: {', '.join(sorted(_COLUMN))}")
+
+    @property
+    def label(self) -> str:
+        """Label of the collective's op row (``all_reduce_2``)."""
+        return self._trace.columns["label"][self.op]
+
+    @property
+    def children(self) -> tuple[int, ...]:
+        """Indices of the ops that read the collective's result."""
+        return self._trace.children[self.op]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Collective {self.label} group={list(self.group_ranks)} seq={self.seq} "
+            f"{self.out_numel} x {self.dtype} {self.state}>"
+        )
