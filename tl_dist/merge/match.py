@@ -93,13 +93,15 @@ def entries_of(rank: int, trace: Trace) -> list[Entry]:
     cols = trace.columns
     labels, modules, sources = cols["label"], cols["module"], cols["source"]
     out = []
+    groups: dict[tuple, tuple[int, ...]] = {}  # a run has few groups: normalise each once
     for i in range(len(ct["op"])):
         e = Entry()
         e.rank = rank
         e.row = i
         e.op = op = int(ct["op"][i])
         e.func = ct["func"][i]
-        e.group = tuple(int(r) for r in ct["group_ranks"][i])
+        g = ct["group_ranks"][i]
+        e.group = groups.get(g) or groups.setdefault(g, tuple(map(int, g)))
         e.group_name = ct["group_name"][i]
         e.seq = int(ct["seq"][i])
         e.peer = int(ct["peer"][i])

@@ -57,24 +57,37 @@ def straggler_rows(joined: list[Joined], timings: list[dict[str, Any]]) -> list[
 def time_breakdown(step: int, rank: int, trace: Trace, waits_ns: int) -> dict[str, Any]:
     """Compute vs communication time of one rank's window.
 
-    ``comm_ns`` sums the collective ops' host time (blocking collectives include their wait); for async
-    collectives the time from issue to observed completion is used instead, since the op itself only
-    enqueues. ``compute_ns`` sums every other op's duration. ``window_ns`` spans first op start to last op end.
+    ``comm_ns`` is the time covered by at least one collective: a blocking collective's op interval (which
+    includes its wait), an async one's issue-to-observed-completion interval (the op itself only enqueues);
+    overlapping collectives (DDP buckets in flight together) count once. ``compute_ns`` sums every other op's
+    duration. ``window_ns`` spans first op start to last op end.
+
+    NB: ``wait_ns`` sums per-collective waits; async collectives that wait at the same time each count.
     """
     cols = trace.columns
     kinds, durations, starts = cols["kind"], cols["duration_ns"], cols["start_ns"]
     ct = trace.collective_table
     async_ops = {
-        int(op): int(c) - int(i)
+        int(op): (int(i), int(c))
         for op, a, i, c in zip(ct["op"], ct["is_async"], ct["issue_ns"], ct["complete_ns"])
         if a and c >= 0
     }
-    compute = comm = 0
+    compute = 0
+    intervals = []
     for i, (k, d) in enumerate(zip(kinds, durations)):
         if k == "collective":
-            comm += async_ops.get(i, d)
+            intervals.append(async_ops.get(i, (starts[i], starts[i] + d)))
         else:
             compute += d
+    comm = 0
+    end = None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            comm += b - a
+            end = b
+        elif b > end:
+            comm += b - end
+            end = b
     window = (max(s + d for s, d in zip(starts, durations)) - min(starts)) if starts else 0
     return {
         "step": step,
