@@ -101,6 +101,7 @@ def bench_activations(rounds: int, out: Path) -> float:
     mbytes = sum(a.nbytes for a in arrays) / 1e6
 
     def raw() -> float:
+        (out / "raw.h5").unlink(missing_ok=True)  # both sides write a new file, as a new shard would be
         t0 = time.perf_counter()
         with h5py.File(out / "raw.h5", "w") as f:
             for i, a in enumerate(arrays):
@@ -108,6 +109,7 @@ def bench_activations(rounds: int, out: Path) -> float:
         return time.perf_counter() - t0
 
     def ours() -> float:
+        (out / "ours.h5").unlink(missing_ok=True)
         t0 = time.perf_counter()
         write_shard(trace, out / "ours.h5")
         return time.perf_counter() - t0
