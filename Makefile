@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --out runs/ddp-demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
