@@ -313,3 +313,21 @@ def test_draw_capture_window_puts_ops_outside_modules_at_top_level(tmp_path):
     assert [t[i].func for i in outside_ops] == ["randn", "mul", "sum"]
     assert all(f"op{i} " not in inside for i in outside_ops) and f"op{t['addmm_1'].index} " in inside
     assert len(clusters) == 1
+
+
+def test_summary_and_draw_of_a_loaded_shard_read_no_tensor(trace, tmp_path):
+    from tl_dist.store import LazyTensors, write_shard
+
+    shard = write_shard(trace, tmp_path / "t.h5")
+    loaded = tl.load(shard)
+    assert isinstance(loaded.saved, LazyTensors)
+    text = loaded.summary(top=3)
+    assert loaded.saved._cache == {}  # summary counted saved bytes from the op table, not the file
+    # Every op saved, all outputs: out_bytes of the table equals the tensors' own sizes.
+    expected = trace.summary(top=3)
+    assert text.splitlines()[0] == expected.splitlines()[0]
+    assert text.splitlines()[1:] == expected.splitlines()[1:]
+    if shutil.which("dot"):
+        mem = _svg_groups(trace.draw(tmp_path / "mem.svg", depth=1))
+        disk = _svg_groups(loaded.draw(tmp_path / "disk.svg", depth=1))
+        assert mem == disk

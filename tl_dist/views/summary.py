@@ -66,12 +66,20 @@ def render_table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, right:
 
 
 def saved_bytes(trace: Trace) -> int:
-    """Bytes of the saved op outputs (each saved tensor counted by its own size).
+    """Bytes of the saved op outputs.
+
+    In memory each saved tensor counts with its own size. A trace loaded from a shard reads its tensors
+    lazily; reading them all to count bytes would cost a full pass over the file, so its saved ops count
+    with their ``out_bytes`` from the op table instead.
 
     NB: saved views of one tensor are counted once each, so this can exceed the memory actually held.
     """
+    saved = trace.saved
+    if not isinstance(saved, dict):
+        out_bytes = trace.columns["out_bytes"]
+        return sum(out_bytes[i] for i in saved)
     total = 0
-    for outs in trace.saved.values():
+    for outs in saved.values():
         for t in outs:
             if t is not None:
                 total += t.nelement() * t.element_size()
