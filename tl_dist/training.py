@@ -16,6 +16,11 @@ The recorder owns one :class:`TrainingState`. It touches the per-op hot path in 
 
 Statistics are reductions kept as small device tensors and moved to the host once, when the window ends, so
 there is no host sync per op. See :data:`tl_dist.schema.STAT_FIELDS` for the columns.
+
+NB: inside a ``tl.capture`` window the seed gradient ``ones_like`` that ``loss.backward()`` makes before the
+engine starts, and the profiler's ``_record_function_enter_new``/``_exit`` around ``optimizer.step()``, run
+outside both the engine and the step hooks, so they get phase ``forward``. ``trace.log_backward`` marks
+everything it runs ``backward``.
 """
 
 from __future__ import annotations
