@@ -237,7 +237,9 @@ def leftover_check(work: dict) -> dict[str, tuple[int, int, int]]:
 
 def overhead(work: dict, reps: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
     """Per-round ratios traced / plain for save=True and save=None, modes interleaved."""
-    ratios: dict[str, dict[str, list[float]]] = {name: {"all": [], "none": [], "plain": []} for name in work}
+    ratios: dict[str, dict[str, list[float]]] = {
+        name: {"all": [], "none": [], "plain": [], "all_s": [], "none_s": []} for name in work
+    }
     for model, x in work.values():  # warm-up: first dispatch-mode use in a process is slow
         for save in (True, None):
             timed(trace_fn(model, x, save), 2)
@@ -252,6 +254,8 @@ def overhead(work: dict, reps: dict, rounds: int) -> dict[str, dict[str, list[fl
             ratios[name]["plain"].append(plain)
             ratios[name]["all"].append(t_all / plain)
             ratios[name]["none"].append(t_none / plain)
+            ratios[name]["all_s"].append(t_all)
+            ratios[name]["none_s"].append(t_none)
     return ratios
 
 
@@ -418,6 +422,14 @@ def main() -> None:
         if theirs:
             line += f"  {theirs[name]['ratio']:>13.1f}x"
         print(line)
+    print("Fastest traced / fastest plain over all rounds (the measurements least disturbed by other load):")
+    for name in work:
+        r = ratios[name]
+        fastest = min(r["plain"])
+        print(
+            f"  {name:<12} save=True {min(r['all_s']) / fastest:.2f}x, save=None {min(r['none_s']) / fastest:.2f}x"
+            f" (plain {1e3 * fastest:.2f} ms)"
+        )
     print("\nOps per forward (most frequent funcs):")
     for name, (n, common) in counts.items():
         print(f"  {name:<12}{n:>5}  {common}")
