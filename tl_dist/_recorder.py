@@ -121,6 +121,10 @@ class Recorder:
         self.replay: dict[int, tuple[Any, tuple, dict, list, list]] = {}
         self.output_of: dict[int, list[str]] = {}
         self._storage_refs: dict[int, list[tuple[int, int, int]]] = {}
+        self._writes: dict[
+            int, list[tuple[int, int, int]]
+        ] = {}  # storage -> (op, first byte, end byte) written
+        self._pre_write: tuple[int, dict[int, Tensor]] | None = None  # see _before_write
         self._label_counts: dict[str, int] = {}
         self._source = SourceLocator() if source else None
         self.modules = ModuleTracker(self, roots)
@@ -157,20 +161,29 @@ class Recorder:
         srcs: list[tuple[int, int] | None] = []
         parents: dict[int, None] = {}
         param_names: list[str] = []
+        writes = self._writes
         for t in tensors:
             tag = getattr(t, _TAG, None)
             if tag is not None and tag[0] is token:
-                srcs.append((tag[1], tag[2]))
                 parents[tag[1]] = None
+                if writes and (writer := self._written_since(t, tag[1])) >= 0:
+                    # An alias of t was written in place after t was made (v = y.view(..); y.relu_(); v * 2):
+                    # t's value now comes from that write, and t's producer no longer holds it.
+                    parents[writer] = None
+                    srcs.append(None)
+                else:
+                    srcs.append((tag[1], tag[2]))
             else:
                 srcs.append(None)
                 name = params.get(id(t))
                 if name is not None:
                     param_names.append(name)
+                if writes and (writer := self._written_since(t, -1)) >= 0:
+                    parents[writer] = None  # e.g. a parameter the optimizer updated earlier in the window
 
         inplace = bool(info.mutated)
-        if inplace and self._storage_refs:
-            self._copy_before_write(mutated_tensors(info, args, kwargs))
+        if inplace:
+            self._before_write(self.n_ops, mutated_tensors(info, args, kwargs), tensors, srcs)
 
         index = self.n_ops
         cuda = tensors and tensors[0].is_cuda
@@ -200,8 +213,11 @@ class Recorder:
                     outs += [p for p in o if isinstance(p, Tensor)]
         else:
             outs = []
-        if inplace and outs:
-            outs = self._with_written_bases(mutated_tensors(info, args, kwargs), outs)
+        if inplace:
+            written = mutated_tensors(info, args, kwargs)
+            self._note_writes(index, written)
+            if outs:
+                outs = self._with_written_bases(written, outs)
 
         n = self._label_counts.get(info.func, 0) + 1
         self._label_counts[info.func] = n
@@ -285,14 +301,50 @@ class Recorder:
         # Untracked tensors (parameters, inputs) are watched so that a later in-place write (an optimizer
         # step) first copies the value this op read.
         consts: list[Tensor | None] = [None] * len(tensors)
+        pre_write = None
+        if self._pre_write is not None and self._pre_write[0] == index:
+            pre_write = self._pre_write[1]
+            self._pre_write = None
         for k, src in enumerate(srcs):
             if src is None:
                 t = tensors[k]
                 consts[k] = t if keep else t.detach()
+                if pre_write is not None and k in pre_write:
+                    consts[k] = pre_write[k]
                 storage = t.untyped_storage()
                 if storage.nbytes():
                     watch(storage.data_ptr(), []).append((index, 1, k))
         self.replay[index] = (func, args, kwargs, srcs, consts)
+
+    def _before_write(self, index: int, written: list[Tensor], tensors: list, srcs: list) -> None:
+        """Before an in-place op runs: copy saved tensors it would overwrite and, when saving, keep the value of
+        each untracked tensor it writes (a buffer's ``add_``): replay info is built after the op ran and must
+        hold what the op read, not what it wrote."""
+        if self._storage_refs:
+            self._copy_before_write(written)
+        if self.save_all or self.save_selector is not None:
+            ids = {id(t) for t in written}
+            pre = {k: t.detach().clone() for k, t in enumerate(tensors) if srcs[k] is None and id(t) in ids}
+            self._pre_write = (index, pre) if pre else None
+
+    def _note_writes(self, index: int, written: list[Tensor]) -> None:
+        for t in written:
+            lo, hi = _byte_extent(t)
+            if hi > lo:
+                self._writes.setdefault(t.untyped_storage().data_ptr(), []).append((index, lo, hi))
+
+    def _written_since(self, t: Tensor, since: int) -> int:
+        """The latest op after op ``since`` that wrote in place into memory ``t`` covers; -1 if none."""
+        entries = self._writes.get(t.untyped_storage().data_ptr())
+        if not entries or entries[-1][0] <= since:
+            return -1
+        lo, hi = _byte_extent(t)
+        for index, wlo, whi in reversed(entries):
+            if index <= since:
+                break
+            if wlo < hi and lo < whi:
+                return index
+        return -1
 
     def _with_written_bases(self, written: list[Tensor], outs: list[Tensor]) -> list[Tensor]:
         """An in-place write into a view (``y[:, 0] = 0`` is ``fill_`` on a ``select`` of ``y``) changes the view's
@@ -343,7 +395,9 @@ class Recorder:
             index, pos = tag[1], tag[2]
             ops.append(index)
             poss.append(pos)
-            self.output_of.setdefault(index, []).append(address)
+            modules_out = self.output_of.setdefault(index, [])
+            if address not in modules_out:  # several output leaves of one module from one op count once
+                modules_out.append(address)
             selector = self.save_selector
             if selector is not None and index not in self.saved:
                 view = RowView(self.rows[index], tuple(self.output_of[index]))
@@ -384,6 +438,18 @@ class Recorder:
             for index, start, end in self.cuda_events:
                 durations[index] = int(start.elapsed_time(end) * 1e6)
         return columns
+
+
+def _byte_extent(t: Tensor) -> tuple[int, int]:
+    """[first, end) bytes of its storage that ``t`` can touch (a superset for strided views)."""
+    lo = t.storage_offset()
+    hi = lo + 1
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 0:
+            return 0, 0
+        hi += (size - 1) * abs(stride)
+    itemsize = t.element_size()
+    return lo * itemsize, hi * itemsize
 
 
 def fill_skeleton(value: Any, tensors: list, cursor: list[int]) -> Any:
