@@ -5,8 +5,9 @@
 - ``metadata``: ``write_shard`` of a real 100k-op trace (a captured loop of tiny ops), no tensors. Target
   <= 1 s. Also prints ``tl.load(tensors=False)`` of it.
 - ``activations``: ``write_shard`` of a ResNet-18 forward with every output saved, against writing the same
-  arrays with raw h5py (one dataset each, same compression: none by default) -- throughput ratio. Target
-  >= 0.70. TorchLens reference on this machine: 65 MB in 3.8 s, 213 files.
+  arrays with raw h5py (one dataset each, same compression: none by default) -- throughput ratio of the whole
+  shard (tables included), and of its tensor part alone. Batch 1 (37 MB) and batch 2 (73 MB, the size of the
+  TorchLens reference: 65 MB in 3.8 s, 213 files); the target (>= 0.70) is checked on batch 2.
 
 Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_shards.py [--rounds 5]``
 """
@@ -14,6 +15,7 @@ Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_shards.py [--ro
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -92,41 +94,47 @@ def bench_metadata(rounds: int, out: Path) -> float:
     return statistics.median(writes)
 
 
-def bench_activations(rounds: int, out: Path) -> float:
+def bench_activations(rounds: int, out: Path, batch: int) -> float:
     torch.manual_seed(0)
     model = ResNet18().eval()
     with torch.no_grad():
-        trace = tl.trace(model, torch.randn(1, 3, 224, 224), save=True)
+        trace = tl.trace(model, torch.randn(batch, 3, 224, 224), save=True)
+    bare = copy.copy(trace)
+    bare.saved = {}
     arrays = [t.detach().contiguous().numpy() for outs in trace.saved.values() for t in outs if t is not None]
     mbytes = sum(a.nbytes for a in arrays) / 1e6
 
-    def raw() -> float:
-        (out / "raw.h5").unlink(missing_ok=True)  # both sides write a new file, as a new shard would be
+    def timed(write) -> float:  # both sides write a new file, as a new shard would be
+        for p in out.glob("*.h5"):
+            p.unlink()
         t0 = time.perf_counter()
+        write()
+        return time.perf_counter() - t0
+
+    def raw() -> None:
         with h5py.File(out / "raw.h5", "w") as f:
             for i, a in enumerate(arrays):
                 f.create_dataset(str(i), data=a)
-        return time.perf_counter() - t0
 
-    def ours() -> float:
-        (out / "ours.h5").unlink(missing_ok=True)
-        t0 = time.perf_counter()
-        write_shard(trace, out / "ours.h5")
-        return time.perf_counter() - t0
-
-    raw(), ours()  # warm-up
-    ratios, raw_s, ours_s = [], [], []
+    timed(raw), timed(lambda: write_shard(trace, out / "ours.h5"))  # warm-up
+    ratios, tensor_ratios, raw_s, ours_s, bare_s = [], [], [], [], []
     for _ in range(rounds):
-        r, o = raw(), ours()
+        r = timed(raw)
+        o = timed(lambda: write_shard(trace, out / "ours.h5"))
+        b = timed(lambda: write_shard(bare, out / "bare.h5"))
         raw_s.append(r)
         ours_s.append(o)
+        bare_s.append(b)
         ratios.append(r / o)  # throughput(ours) / throughput(raw) for the same bytes
+        tensor_ratios.append(r / max(o - b, 1e-9))  # the tensors' share of the shard write alone
+    o = statistics.median(ours_s)
     print(
-        f"saved activations, ResNet-18 1x3x224x224, {len(arrays)} tensors, {mbytes:.0f} MB: "
-        f"write_shard {statistics.median(ours_s):.3f} s ({mbytes / statistics.median(ours_s):.0f} MB/s), "
+        f"saved activations, ResNet-18 {batch}x3x224x224, {len(arrays)} tensors, {mbytes:.0f} MB: whole shard "
+        f"{o:.3f} s ({mbytes / o:.0f} MB/s), of which tables {statistics.median(bare_s):.3f} s; "
         f"raw h5py {statistics.median(raw_s):.3f} s"
     )
-    print(f"throughput write_shard / raw h5py: {_median_min(ratios)}  (TorchLens: 65 MB in 3.8 s, 213 files)")
+    print(f"  throughput whole shard / raw h5py: {_median_min(ratios)}")
+    print(f"  throughput tensor part / raw h5py: {_median_min(tensor_ratios)}")
     return statistics.median(ratios)
 
 
@@ -143,7 +151,9 @@ def main() -> None:
         if args.only in (None, "metadata"):
             results["metadata"] = (bench_metadata(args.rounds, out), "<=", 1.0)
         if args.only in (None, "activations"):
-            results["activations"] = (bench_activations(args.rounds, out), ">=", 0.70)
+            bench_activations(args.rounds, out, batch=1)
+            # Batch 2 (73 MB) is the size of the TorchLens reference (65 MB in 3.8 s, 213 files).
+            results["activations"] = (bench_activations(args.rounds, out, batch=2), ">=", 0.70)
     for name, (value, op, target) in results.items():
         ok = value <= target if op == "<=" else value >= target
         print(f"{name:12s} {value:.3f} (target {op} {target}): {'OK' if ok else 'MISSED'}")

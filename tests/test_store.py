@@ -147,11 +147,12 @@ def test_layout_is_plain_hdf5_without_pickle(tmp_path):
         assert f.attrs["encoding-type"] == "tl_dist.shard"
         assert f.attrs["schema_version"] == SCHEMA_VERSION
         assert list(f["ops"].attrs["column-order"]) == [fl.name for fl in OP_FIELDS]
-        # Strings: categorical codes + vlen UTF-8 categories, read with .asstr().
-        label = f["ops/label"]
-        assert label.attrs["encoding-type"] == "categorical"
-        cats = label["categories"].asstr()[()]
-        assert [cats[c] for c in label["codes"][()]] == mem.columns["label"]
+        # Strings: int32 codes into the shard's one vlen UTF-8 string table, read with .asstr().
+        strings = f["strings"].asstr()[()]
+        assert f["ops"].attrs["strings"] == "/strings" and f["ops/label"].dtype == np.int32
+        assert [strings[c] for c in f["ops/label"][()]] == mem.columns["label"]
+        assert [strings[c] for c in f["modules/address"][()]] == mem.module_table["address"]
+        assert len(set(strings)) == len(strings)  # each distinct string once, whatever table uses it
         # Ragged ints: values + offsets.
         parents = f["ops/parents"]
         off = parents["offsets"][()]
@@ -177,7 +178,7 @@ def test_h5dump_reads_shard(tmp_path):
     assert header.returncode == 0, header.stderr
     assert 'GROUP "ops"' in header.stdout and 'GROUP "saved"' in header.stdout
     data = subprocess.run(
-        ["h5dump", "-d", "/ops/label/categories", str(path)], capture_output=True, text=True, timeout=60
+        ["h5dump", "-d", "/strings", str(path)], capture_output=True, text=True, timeout=60
     )
     assert data.returncode == 0 and '"convolution_1"' in data.stdout
 

@@ -42,16 +42,49 @@ def _categorical(group: h5py.Group, values: Sequence[str] | Any, options: ShardO
     group.create_dataset("categories", data=np.array(categories, dtype=object), dtype=STR_DTYPE)
 
 
+class StringTable:
+    """One shard-wide list of distinct strings: str columns of every table store int32 codes into it.
+
+    One dataset per str column instead of a group of two (creating HDF5 objects dominates writing small
+    tables), and one id per distinct op name or module path across the whole shard.
+    """
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    def codes(self, values: Sequence[str]) -> np.ndarray:
+        index = self.index
+        for v in dict.fromkeys(values):
+            if v not in index:
+                index[v] = len(index)
+        return np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=len(values))
+
+    def write(self, parent: h5py.Group, name: str, options: ShardOptions) -> None:
+        data = np.array(list(self.index), dtype=object)
+        parent.create_dataset(name, data=data, dtype=STR_DTYPE, **options.column_kwargs(len(data)))
+
+
 def _offsets(lengths: Any, n: int) -> np.ndarray:
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.fromiter(lengths, dtype=np.int64, count=n), out=offsets[1:])
     return offsets
 
 
-def write_column(group: h5py.Group, field: Field, values: list, options: ShardOptions) -> None:
-    """Write ``values`` (one schema column) as node ``field.name`` of ``group``."""
+def write_column(
+    group: h5py.Group, field: Field, values: list, options: ShardOptions, strings: StringTable | None = None
+) -> None:
+    """Write ``values`` (one schema column) as node ``field.name`` of ``group``; str values as codes into
+    ``strings`` when given, else as a categorical group of their own."""
     kind, name, n = field.kind, field.name, len(values)
-    if kind == "int":
+    if kind == "str" and strings is not None:
+        _column(group, name, strings.codes(values), options)
+    elif kind == "strs" and strings is not None:
+        node = group.create_group(name)
+        _tag(node, "ragged-codes", version=False)
+        flat = list(chain.from_iterable(values))
+        _column(node, "codes", strings.codes(flat), options)
+        _column(node, "offsets", _offsets(map(len, values), n), options)
+    elif kind == "int":
         _column(group, name, np.asarray(values, dtype=np.int64).reshape(n), options)
     elif kind == "float":
         _column(group, name, np.asarray(values, dtype=np.float64).reshape(n), options)
@@ -111,13 +144,30 @@ def _check_encoding(node: Any, expected: str, field: Field) -> None:
         )
 
 
-def read_column(group: h5py.Group, field: Field, n: int) -> list:
-    """Read column ``field`` of ``group`` back into the in-memory representation; checks its length is ``n``."""
+def read_column(group: h5py.Group, field: Field, n: int, strings: list[str] | None = None) -> list:
+    """Read column ``field`` of ``group`` back into the in-memory representation; checks its length is ``n``.
+    ``strings``: the shard's string table, for str columns stored as codes."""
     if field.name not in group:
         raise ValueError(f"column {field.name!r} is missing from {group.name}")
     node = group[field.name]
     kind = field.kind
-    if kind in ("int", "float", "bool"):
+    coded = kind in ("str", "strs") and (
+        isinstance(node, h5py.Dataset) or node.attrs.get("encoding-type") == "ragged-codes"
+    )
+    if coded and strings is None:
+        # Called for single columns (merge reads a few): fetch the string table the group names.
+        path = group.attrs.get("strings")
+        if path is None:
+            raise ValueError(
+                f"{group.name}/{field.name} holds string codes but {group.name} names no string table"
+            )
+        strings = group.file[path].asstr()[()].tolist()
+    if kind == "str" and coded:
+        values = list(map(strings.__getitem__, node[()].tolist()))
+    elif kind == "strs" and coded:
+        flat = list(map(strings.__getitem__, node["codes"][()].tolist()))
+        values = _split(flat, node["offsets"][()].tolist())
+    elif kind in ("int", "float", "bool"):
         _check_encoding(node, "dataset", field)
         values = node[()].tolist()
     elif kind == "str":
@@ -147,11 +197,25 @@ def _pairs(offsets: list[int]) -> Any:
 
 
 def write_table(
-    parent: h5py.Group, name: str, fields: tuple[Field, ...], columns: dict[str, list], options: ShardOptions
+    parent: h5py.Group,
+    name: str,
+    fields: tuple[Field, ...],
+    columns: dict[str, list],
+    options: ShardOptions,
+    *,
+    strings: tuple[StringTable, str] | None = None,
 ) -> h5py.Group:
-    """Write a dict of columns as group ``name``: one node per field, column order and row count as attrs."""
+    """Write a dict of columns as group ``name``: one node per field, column order and row count as attrs.
+
+    ``strings``: (table, its dataset's path): str columns become codes into that shared string table, and the
+    group's ``strings`` attribute names it. Without it each str column is a categorical group.
+    """
     group = parent.create_group(name)
     _tag(group, "table")
+    table = None
+    if strings is not None:
+        table, path = strings
+        group.attrs["strings"] = path
     n = len(columns[fields[0].name]) if fields else 0
     group.attrs["column-order"] = np.array([f.name for f in fields], dtype=object)
     group.attrs["n-rows"] = n
@@ -165,12 +229,17 @@ def write_table(
             raise ValueError(f"table {name!r} lacks column {f.name!r} of its schema")
         if len(values) != n:
             raise ValueError(f"table {name!r}: column {f.name!r} has {len(values)} rows, expected {n}")
-        write_column(group, f, values, options)
+        write_column(group, f, values, options, table)
     return group
 
 
-def read_table(parent: h5py.Group, name: str, fields: tuple[Field, ...]) -> dict[str, list]:
-    """Read group ``name`` written by :func:`write_table` back into a dict of columns in schema order."""
+def read_table(
+    parent: h5py.Group, name: str, fields: tuple[Field, ...], *, strings: list[str] | None = None
+) -> dict[str, list]:
+    """Read group ``name`` written by :func:`write_table` back into a dict of columns in schema order.
+
+    ``strings``: the already read string table the group's ``strings`` attribute names (read here if None).
+    """
     if name not in parent:
         raise ValueError(f"group {name!r} is missing")
     group = parent[name]
@@ -179,4 +248,7 @@ def read_table(parent: h5py.Group, name: str, fields: tuple[Field, ...]) -> dict
     n = int(group.attrs["n-rows"])
     if n == 0:
         return {f.name: [] for f in fields}
-    return {f.name: read_column(group, f, n) for f in fields}
+    path = group.attrs.get("strings")
+    if path is not None and strings is None:
+        strings = group.file[path].asstr()[()].tolist()
+    return {f.name: read_column(group, f, n, strings if path is not None else None) for f in fields}

@@ -21,7 +21,7 @@ from .. import schema as _schema
 from ..errors import ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from ..trace import Trace
-from .codecs import ENCODING_VERSION, ShardOptions, _tag, read_table, write_table
+from .codecs import ENCODING_VERSION, ShardOptions, StringTable, _tag, read_table, write_table
 
 ROOT_ENCODING = "tl_dist.shard"
 # Per-op statistics (tl.capture(stats=...)); a schema list owned by the training-capture code.
@@ -191,15 +191,20 @@ def write_shard(
                         root.attrs[key] = base(value)
                         break
             root.attrs["failed_op"] = _json_attr(trace.failed_op)
-            write_table(root, "ops", OP_FIELDS, trace.columns, options)
-            write_table(root, "modules", MODULE_CALL_FIELDS, trace.module_table, options)
-            write_table(root, "collectives", COLLECTIVE_FIELDS, trace.collective_table, options)
+            shared = (StringTable(), "/strings")
+            write_table(root, "ops", OP_FIELDS, trace.columns, options, strings=shared)
+            write_table(root, "modules", MODULE_CALL_FIELDS, trace.module_table, options, strings=shared)
+            write_table(
+                root, "collectives", COLLECTIVE_FIELDS, trace.collective_table, options, strings=shared
+            )
             output_of = {
                 "op": list(trace.output_of),
                 "modules": [tuple(v) for v in trace.output_of.values()],
             }
-            write_table(root, "output_of", _OUTPUT_OF_FIELDS, output_of, options)
-            write_table(root, "trees", _TREE_FIELDS, _tree_rows(trace, root, options), options)
+            write_table(root, "output_of", _OUTPUT_OF_FIELDS, output_of, options, strings=shared)
+            write_table(
+                root, "trees", _TREE_FIELDS, _tree_rows(trace, root, options), options, strings=shared
+            )
             labels = trace.columns["label"]
             _write_tensors(root, "saved", trace.saved, labels, options)
             grads = getattr(trace, "grads", None)
@@ -207,7 +212,8 @@ def write_shard(
                 _write_tensors(root, "grads", grads, labels, options)
             stats_table = getattr(trace, "stats_table", None)
             if _STAT_FIELDS and stats_table is not None:
-                write_table(root, "stats", _STAT_FIELDS, stats_table, options)
+                write_table(root, "stats", _STAT_FIELDS, stats_table, options, strings=shared)
+            shared[0].write(root, "strings", options)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -290,8 +296,8 @@ def _tensor_index(root: h5py.File, name: str, columns: dict[str, list]) -> dict[
     return {index[k]: (k, len(out_shapes[index[k]])) for k in keys}
 
 
-def _read_trees(root: h5py.File) -> tuple[dict[int, Any], Any]:
-    table = read_table(root, "trees", _TREE_FIELDS)
+def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, Any], Any]:
+    table = read_table(root, "trees", _TREE_FIELDS, strings=strings)
     extra = root.get("tree_tensors")
     trees: dict[int, Any] = {}
     output = None
@@ -363,13 +369,17 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
                 raise ShardFormatError(f"{path}: unknown schema/encoding version {version}")
             metadata = json.loads(root.attrs["metadata"])
             failed_op = json.loads(root.attrs["failed_op"])
-            columns = read_table(root, "ops", OP_FIELDS)
-            module_table = read_table(root, "modules", MODULE_CALL_FIELDS)
-            collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS)
-            out_of = read_table(root, "output_of", _OUTPUT_OF_FIELDS)
-            out_trees, output = _read_trees(root)
+            # The shared string table, read once for all tables (absent only in a shard without strings).
+            strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
+            columns = read_table(root, "ops", OP_FIELDS, strings=strings)
+            module_table = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings)
+            collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
+            out_of = read_table(root, "output_of", _OUTPUT_OF_FIELDS, strings=strings)
+            out_trees, output = _read_trees(root, strings)
             stats_table = (
-                read_table(root, "stats", _STAT_FIELDS) if _STAT_FIELDS and "stats" in root else None
+                read_table(root, "stats", _STAT_FIELDS, strings=strings)
+                if _STAT_FIELDS and "stats" in root
+                else None
             )
             saved: Mapping[int, list] = {}
             grads: Mapping[int, list] = {}
