@@ -275,3 +275,16 @@ def test_ops_without_gradient_have_none():
     assert trace["exp_1"].grad is None and trace["mul_1"].grad is None
     assert torch.equal(trace["relu_1"].grad, torch.ones(3, 4))
     torch.testing.assert_close(trace["addmm_1"].grad, (y > 0).float())
+
+
+def test_save_grads_by_module_output():
+    # tl.module matches the op that produced the module's output, known only once the module returns.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    trace = tl.trace(model, x, save_grads=tl.module("1"))
+    trace.log_backward(trace.output.sum())
+    (index,) = trace.grads
+    assert trace[index].func == "tanh" and trace[index].output_of == ("1",)
+    h = torch.tanh(model[0](x)).detach().requires_grad_()
+    (expected,) = torch.autograd.grad(model[2](h).sum(), h)
+    torch.testing.assert_close(trace[index].grad, expected)

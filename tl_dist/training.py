@@ -270,32 +270,37 @@ class TrainingState:
                 if entry is None:
                     entry = nodes[id(node)] = (node, [])
                 entry[1].append((pos, o.output_nr))
-        if nodes and self._wants_grad(index):
+        if nodes:
+            # Hooks go on every node; whether to keep the gradient is decided when it arrives, because a
+            # selector like tl.module("fc1") can only match once the module has returned, after this link.
             n_out = len(outs)
+            first = min(pos for _, positions in nodes.values() for pos, _ in positions)
             for node, positions in nodes.values():
-                self._node_handles.append(node.register_prehook(self._grad_hook(index, n_out, positions)))
+                hook = self._grad_hook(index, n_out, positions, first)
+                self._node_handles.append(node.register_prehook(hook))
 
-    def _wants_grad(self, index: int) -> bool:
-        if self.grads_all or self.stats_all:
-            return True
-        from ._recorder import RowView
-
-        view = RowView(self.rec.rows[index], tuple(self.rec.output_of.get(index, ())))
-        return any(s is not None and s.match(view) for s in (self.grads_selector, self.stats_selector))
-
-    def _grad_hook(self, index: int, n_out: int, positions: list[tuple[int, int]]) -> Any:
-        rec = self.rec
-        keep = self.grads_all
-        stats = self.stats_all
+    def _selected(self, index: int) -> tuple[bool, bool]:
+        """(keep the gradient, record its statistics) for forward op ``index``."""
+        keep, stats = self.grads_all, self.stats_all
         if not (keep and stats):
             from ._recorder import RowView
 
-            view = RowView(rec.rows[index], tuple(rec.output_of.get(index, ())))
+            view = RowView(self.rec.rows[index], tuple(self.rec.output_of.get(index, ())))
             keep = keep or (self.grads_selector is not None and self.grads_selector.match(view))
             stats = stats or (self.stats_selector is not None and self.stats_selector.match(view))
+        return keep, stats
+
+    def _grad_hook(self, index: int, n_out: int, positions: list[tuple[int, int]], first: int) -> Any:
+        rec = self.rec
+        decided: list[tuple[bool, bool]] = []
 
         def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
             if not self.open:
+                return
+            if not decided:
+                decided.append(self._selected(index))
+            keep, stats = decided[0]
+            if not (keep or stats):
                 return
             # Our own ops (detach, reductions) must not become rows of the trace.
             with torch._C._DisableTorchDispatch(), torch.no_grad():
@@ -311,7 +316,7 @@ class TrainingState:
                         # An in-place write later in the window (grad accumulation into .grad) must not
                         # change the stored gradient: copy-before-write, as for saved outputs.
                         rec._watch(g, (index, 2, pos))
-                    if stats and pos == positions[0][0]:
+                    if stats and pos == first:  # statistics of the first output's gradient, as for outputs
                         values = tensor_stats(g)
                         if values is not None:
                             self._stat_rows.append((index, "grad", rec.n_ops, values))
