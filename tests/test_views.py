@@ -331,3 +331,22 @@ def test_summary_and_draw_of_a_loaded_shard_read_no_tensor(trace, tmp_path):
         mem = _svg_groups(trace.draw(tmp_path / "mem.svg", depth=1))
         disk = _svg_groups(loaded.draw(tmp_path / "disk.svg", depth=1))
         assert mem == disk
+
+
+@needs_dot
+def test_draw_and_summary_of_forward_and_backward(tmp_path):
+    model = Net()
+    with tl.capture() as cap:
+        model(torch.randn(2, 3, 4, 4)).sum().backward()
+    t = cap.trace
+    phases = set(t.columns["phase"])
+    assert {"forward", "backward"} <= phases
+    full = _svg_groups(t.draw(tmp_path / "fb.svg"))
+    assert sorted(full["node"]) == sorted(f"op{i}" for i in range(len(t)))
+    collapsed = _svg_groups(t.draw(tmp_path / "fb0.svg", depth=0))
+    # Backward ops run outside every module call: they stay as nodes while the forward collapses.
+    backward = [i for i in range(len(t)) if t[i].module_call < 0]
+    assert backward and all(f"op{i}" in collapsed["node"] for i in backward)
+    assert len(collapsed["node"]) < len(full["node"])
+    rows = {r["address"]: r for r in module_rows(t)}
+    assert rows["(outside modules)"]["ops"] == len(backward)

@@ -67,12 +67,11 @@ def graph_source(trace: Trace, *, depth: int | None = None) -> str:
     members: dict[int, list[str]] = {}  # visible call row -> node lines directly inside it
     top_level: list[str] = []
     durations = cols["duration_ns"]
-    for row in collapsed:
-        first, end = first_op[row], end_op[row]
-        for i in range(first, end):
-            node_of[i] = -1 - row
     for i in range(n_ops):
-        if node_of[i] < 0:
+        call = op_call[i]
+        visible = visible_call[call] if call >= 0 else -1
+        if visible in collapsed:
+            node_of[i] = -1 - visible
             continue
         node_of[i] = i
         shapes = cols["out_shapes"][i]
@@ -80,8 +79,7 @@ def graph_source(trace: Trace, *, depth: int | None = None) -> str:
         line = (
             f"op{i} [label={_quote(text)} fillcolor={_quote(_KIND_COLOURS.get(cols['kind'][i], '#ffffff'))}]"
         )
-        call = op_call[i]
-        (top_level if call < 0 else members.setdefault(visible_call[call], [])).append(line)
+        (top_level if visible < 0 else members.setdefault(visible, [])).append(line)
     for row in collapsed:
         first, end = first_op[row], end_op[row]
         if first == end:  # a call that ran no op (Dropout in eval, Identity) has nothing to stand for
