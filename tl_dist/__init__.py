@@ -8,6 +8,7 @@ Example:
 
 from .arm import arm, disarm, should_capture
 from .capture import Capture, capture, trace
+from .collectives import Collective
 from .errors import MergeError, SchemaError, ShardFormatError, TlDistError, ValidationError
 from .merge import MergedTrace, load_merged, merge_ranks
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
@@ -17,6 +18,7 @@ from .trace import ModuleCall, Op, Trace
 
 __all__ = [
     "Capture",
+    "Collective",
     "Field",
     "MODULE_CALL_FIELDS",
     "MergeError",

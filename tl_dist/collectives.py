@@ -309,7 +309,8 @@ class CollectiveLog:
             ]
         )
         self._watch(row_i, comm, out, first, t1)
-        if comm.has_async_arg and not is_async:
+        if comm.has_async_arg and not is_async and not (first is not None and first.is_cuda):
+            # NB: on CUDA the blocking API only orders streams; it returns before the collective finished.
             self._blocking[row_i] = None
         if self._polled:
             self.poll()
