@@ -177,9 +177,7 @@ def test_h5dump_reads_shard(tmp_path):
     header = subprocess.run(["h5dump", "-H", str(path)], capture_output=True, text=True, timeout=60)
     assert header.returncode == 0, header.stderr
     assert 'GROUP "ops"' in header.stdout and 'GROUP "saved"' in header.stdout
-    data = subprocess.run(
-        ["h5dump", "-d", "/strings", str(path)], capture_output=True, text=True, timeout=60
-    )
+    data = subprocess.run(["h5dump", "-d", "/strings", str(path)], capture_output=True, text=True, timeout=60)
     assert data.returncode == 0 and '"convolution_1"' in data.stdout
 
 
@@ -273,3 +271,12 @@ def test_missing_file_and_bad_arguments(tmp_path):
         tl.load(3)
     with pytest.raises(ValueError, match="tensors"):
         tl.load(tmp_path / "nope.h5", tensors="yes")
+
+
+def test_loaded_trace_summary_and_draw_match_live(tmp_path):
+    mem = tl.trace(SmallCNN(), torch.randn(1, 3, 8, 8))
+    disk = tl.load(write_shard(mem, tmp_path / "v.h5"))
+    assert disk.summary() == mem.summary()
+    svg = disk.draw(str(tmp_path / "graph.svg"))
+    text = open(svg).read()
+    assert "<svg" in text and "convolution_1" in text and "relu_1" in text

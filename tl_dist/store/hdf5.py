@@ -15,7 +15,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
-from torch.utils._pytree import treespec_dumps, treespec_loads
+from torch.utils._pytree import tree_flatten, treespec_dumps, treespec_loads
 
 from .. import schema as _schema
 from ..errors import ShardFormatError
@@ -100,17 +100,24 @@ def _write_tensors(
                 _write_tensor(sub, str(pos), t, options)
 
 
+_LEAF_SPEC = treespec_dumps(tree_flatten(0)[1])
+
+
 def _tree_rows(trace: Trace, root: h5py.File, options: ShardOptions) -> dict[str, list]:
     """Module-call output structures (and the trace's output) as JSON rows; non-op tensor leaves as datasets."""
     rows: dict[str, list] = {"row": [], "spec": [], "leaves": []}
     extra: h5py.Group | None = None
     trees = list(trace.out_trees.items())
     if trace.output is not None:
-        from torch.utils._pytree import tree_flatten
-
         leaves, spec = tree_flatten(trace.output)
         trees.append((-1, (spec, leaves)))
     for row, (spec, leaves) in trees:
+        if spec.is_leaf() and len(leaves) == 1 and leaves[0] is None:
+            # Most module calls return one op's tensor: skip the JSON encoders for them.
+            rows["row"].append(row)
+            rows["spec"].append(_LEAF_SPEC)
+            rows["leaves"].append("[null]")
+            continue
         try:
             spec_json = treespec_dumps(spec)
         except Exception:  # noqa: BLE001 - custom pytree nodes without a serialized name: structure not stored
