@@ -227,3 +227,15 @@ def test_two_rank_gloo_run_writes_rank_shards(tmp_path):
             assert meta["backend"] == "gloo" and meta["local_rank"] == rank and meta["complete"] is True
             # two all-reduces (weight and bias grads) recorded as collective ops
             assert sum(k == "collective" for k in trace.columns["kind"]) == 2
+
+
+def test_armed_save_grads_and_stats_reach_the_shard(tmp_path, model):
+    rank_dir = tl.arm(tmp_path, save_grads=tl.func("relu"), stats=True)
+    with tl.capture(step=1) as cap:
+        small_step(model, torch.randn(2, 4))
+    disk = tl.load(rank_dir / "step00000001.h5")
+    relu = cap.trace["relu_1"].index
+    assert list(cap.trace.grads) == [relu] and list(disk.grads) == [relu]
+    assert torch.equal(disk["relu_1"].grad, cap.trace["relu_1"].grad)
+    assert disk["relu_1"].grad.shape == (2, 8)
+    assert len(disk.stats_table["op"]) > 0 and disk.stats_table == cap.trace.stats_table
