@@ -171,7 +171,8 @@ def capture(
         save_grads: forward ops whose output gradient (of the loss backward runs on in the window) is kept:
             ``True``, ``None`` or a selector; ``trace["relu_2"].grad``.
         stats: ops whose output statistics (mean, std, min, max, L2 norm, zero fraction, NaN and Inf counts)
-            are recorded, and their gradient's when backward runs: ``True``, ``None`` or a selector.
+            are recorded, and their gradient's when backward runs: ``True`` (every forward op but views),
+            ``None`` or a selector (any op, backward and optimizer ops included). See ``trace.stats_table``.
         step: training step of the window. When armed (``tl.arm``) the window writes
             ``rank{RRRRR}/step{step:08d}.h5`` on exit (numbered by a window counter when None).
 

@@ -227,9 +227,10 @@ class TrainingState:
 
             if not self.stats_selector.match(RowView(row)):
                 return
-        elif row[_KIND] == "view" or row[_PHASE] == "backward":
-            # A view's values are its base's, counted at the op that made them. A backward op's output is a
-            # gradient: stats=True records it as the `grad` row of the forward op it is the gradient of.
+        elif row[_KIND] == "view" or row[_PHASE] != "forward":
+            # stats=True means activations and gradients. A view's values are its base's, counted at the op
+            # that made them; a backward op's output is a gradient, recorded as the `grad` row of the forward
+            # op it differentiates; optimizer ops rewrite parameters and state. A selector can still pick any.
             return
         for o in outs:
             if o.dtype in _FLOATS:
