@@ -339,7 +339,8 @@ def torchlens_worker(rounds: int) -> None:
         reps = calibrate(plain_fn(model, x))
 
         def log(model: torch.nn.Module = model, x: torch.Tensor = x) -> object:
-            return torchlens.log_forward_pass(model, x, layers_to_save="all", vis_opt="none")
+            with torch.no_grad():  # the same conditions as our traced forward
+                return torchlens.log_forward_pass(model, x, layers_to_save="all", vis_opt="none")
 
         log()
         ratios = []
