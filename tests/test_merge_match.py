@@ -218,3 +218,15 @@ def test_bad_arguments(tmp_path):
         merge_ranks(tmp_path, world_size=4)
     with pytest.raises(tl.MergeError, match="does not exist"):
         merge_ranks([tmp_path / "rank00000" / "step00000009.h5"])
+
+
+def test_progress_bar_and_multiple_steps(tmp_path, capsys):
+    traces = [make_trace(r, [coll(source=A)], step=s) for s in (10, 20) for r in range(2)]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path, progress=True)
+    assert "reading shards" in capsys.readouterr().err
+    assert g.steps == [10, 20] and g.findings == []
+    assert list(g.collectives.step) == [10, 20]
+    with pytest.raises(ValueError, match=r"steps \[10, 20\]; pass step="):
+        g.rank(0)
+    assert g.rank(1, step=20).metadata["step"] == 20

@@ -132,7 +132,7 @@ def load_tables(ref: ShardRef) -> ShardTables:
 
     from ..errors import ShardFormatError
     from ..schema import COLLECTIVE_FIELDS, OP_FIELDS, SCHEMA_VERSION
-    from ..store.codecs import read_column, read_table
+    from ..store.codecs import read_table
 
     path = ref.path
     try:
@@ -153,11 +153,11 @@ def load_tables(ref: ShardRef) -> ShardTables:
                 )
             metadata = json.loads(root.attrs["metadata"])
             failed_op = json.loads(root.attrs["failed_op"]) if "failed_op" in root.attrs else None
-            ops = root["ops"]
-            n = int(ops.attrs["n-rows"])
-            fields = {f.name: f for f in OP_FIELDS}
-            columns = {name: read_column(ops, fields[name], n) for name in MERGE_FIELDS}
-            collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS)
+            # The shard-wide string table, read once for both tables (absent in a shard without strings).
+            strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
+            fields = tuple(f for f in OP_FIELDS if f.name in MERGE_FIELDS)
+            columns = read_table(root, "ops", fields, strings=strings)
+            collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
     except ShardFormatError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to decode is a format problem of this file
