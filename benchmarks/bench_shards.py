@@ -94,7 +94,7 @@ def bench_metadata(rounds: int, out: Path) -> float:
     return statistics.median(writes)
 
 
-def bench_activations(rounds: int, out: Path, batch: int) -> float:
+def bench_activations(rounds: int, out: Path, batch: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = ResNet18().eval()
     with torch.no_grad():
@@ -135,7 +135,7 @@ def bench_activations(rounds: int, out: Path, batch: int) -> float:
     )
     print(f"  throughput whole shard / raw h5py: {_median_min(ratios)}")
     print(f"  throughput tensor part / raw h5py: {_median_min(tensor_ratios)}")
-    return statistics.median(ratios)
+    return statistics.median(ratios), statistics.median(tensor_ratios)
 
 
 def main() -> None:
@@ -153,10 +153,14 @@ def main() -> None:
         if args.only in (None, "activations"):
             bench_activations(args.rounds, out, batch=1)
             # Batch 2 (73 MB) is the size of the TorchLens reference (65 MB in 3.8 s, 213 files).
-            results["activations"] = (bench_activations(args.rounds, out, batch=2), ">=", 0.70)
+            whole, tensors = bench_activations(args.rounds, out, batch=2)
+            # NB: the whole shard includes its op/module tables (a fixed ~20-35 ms here for a 90-op trace);
+            # the tensor part is the activations alone.
+            results["activations (whole shard)"] = (whole, ">=", 0.70)
+            results["activations (tensor part)"] = (tensors, ">=", 0.70)
     for name, (value, op, target) in results.items():
         ok = value <= target if op == "<=" else value >= target
-        print(f"{name:12s} {value:.3f} (target {op} {target}): {'OK' if ok else 'MISSED'}")
+        print(f"{name:27s} {value:.3f} (target {op} {target}): {'OK' if ok else 'MISSED'}")
 
 
 if __name__ == "__main__":
