@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -280,3 +281,30 @@ def test_loaded_trace_summary_and_draw_match_live(tmp_path):
     svg = disk.draw(str(tmp_path / "graph.svg"))
     text = open(svg).read()
     assert "<svg" in text and "convolution_1" in text and "relu_1" in text
+
+
+GOLDEN_V1 = Path(__file__).parent / "data" / "shards" / "v1" / "linear_relu.h5"
+
+
+def test_golden_v1_shard_still_loads():
+    """A shard written by schema version 1, kept forever: readers must keep loading it.
+
+    Written from nn.Sequential(nn.Linear(3, 2), nn.ReLU()) with weight [[1, -1, .5], [0, 2, -1]], bias
+    [.5, -.5], on x = [[1, 2, 3], [-1, 0, 1]] (tl.trace(..., source=False)). If this fails after a schema
+    change, bump SCHEMA_VERSION and teach the reader the old layout -- do not regenerate the file.
+    """
+    trace = tl.load(GOLDEN_V1)
+    assert (trace.rank, trace.world_size, trace.step) == (0, 1, 0)
+    assert trace.metadata["complete"] is True
+    assert [op.label for op in trace][:3] == ["t_1", "addmm_1", "relu_1"]
+    addmm = trace["addmm_1"]
+    assert addmm.module == "0" and addmm.params == ("0.bias",) and addmm.parents == (0,)
+    assert trace["t_1"].params == ("0.weight",)
+    assert addmm.flops == 2 * 2 * 3 * 2  # 2 rows x (3 in -> 2 out) multiply-adds
+    assert addmm.out_shapes == ((2, 2),) and addmm.dtype == "float32"
+    # rows: [1-2+1.5+.5, 0+4-3-.5] = [1, .5]; [-1+0+.5+.5, 0+0-1-.5] = [0, -1.5]
+    assert torch.equal(addmm.out, torch.tensor([[1.0, 0.5], [0.0, -1.5]]))
+    assert torch.equal(trace["relu_1"].out, torch.tensor([[1.0, 0.5], [0.0, 0.0]]))
+    assert trace.module_table["address"] == ["", "0", "1"]
+    assert torch.equal(trace.module("1").out, torch.tensor([[1.0, 0.5], [0.0, 0.0]]))
+    assert trace["relu_1"].parents == (addmm.index,)
