@@ -73,7 +73,7 @@ def test_draw_joins_ranks(merged, tmp_path):
 
     src = merged_source(merged)
     assert "cluster_s0r0_rank" in src and "cluster_s0r1_rank" in src
-    assert src.count("dir=none") == 4 and src.count("#c62828") == 2  # one red edge: the size mismatch
+    assert src.count("dir=none") == 4 and src.count("#c62828") == 1  # one red edge: the size mismatch
     out = merged.draw(str(tmp_path / "g.svg"))
     assert open(out).read().lstrip().startswith(("<?xml", "<svg"))
 

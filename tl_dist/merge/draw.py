@@ -58,7 +58,9 @@ def merged_source(g: MergedTrace, *, depth: int | None = 1) -> str:
     """The DOT source :meth:`MergedTrace.draw` lays out."""
     out = [
         "digraph merged {",
-        '  graph [rankdir=TB fontname="Helvetica" fontsize=11 newrank=true compound=true]',
+        # No newrank and no edge labels: with cross-cluster constraint=false edges either makes dot fail
+        # ("trouble in init_rank", "lost edge") on real multi-step graphs.
+        '  graph [rankdir=TB fontname="Helvetica" fontsize=11]',
         '  node [shape=box style="rounded,filled" fontname="Helvetica" fontsize=10 margin="0.08,0.03"]',
         '  edge [arrowsize=0.6 color="#555555"]',
     ]
@@ -81,11 +83,11 @@ def merged_source(g: MergedTrace, *, depth: int | None = 1) -> str:
             if node is not None:
                 nodes.append(prefix + node)
         colour = "#2e7d32" if j.verdict == "matched" else "#c62828"
-        label = f"{j.func} #{j.seq}" + ("" if j.verdict == "matched" else f"\\n{j.verdict}")
+        label = f"{j.func} #{j.seq}" + ("" if j.verdict == "matched" else f" {j.verdict}")
         for a, b in zip(nodes, nodes[1:]):
             out.append(
                 f'  {a} -> {b} [dir=none constraint=false style=dashed penwidth=1.5 color="{colour}" '
-                f'fontcolor="{colour}" fontsize=9 label="{label}"]'
+                f'tooltip="{label}"]'
             )
     out.append("}")
     return "\n".join(out) + "\n"
