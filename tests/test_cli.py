@@ -45,3 +45,10 @@ def test_export_draw_and_errors(tmp_path, capsys):
     assert main(["merge", str(run)]) == 2
     assert main(["merge", str(run), "--lenient"]) == 1
     assert main(["merge", str(run), "--lenient", "--no-fail"]) == 0
+
+
+def test_summary_of_one_shard_reports_the_other_ranks_missing(tmp_path, capsys):
+    run = _run(tmp_path)
+    assert main(["summary", str(run / "rank00000" / "step00000000.h5"), "--no-fail"]) == 0
+    out = capsys.readouterr().out
+    assert "1/2 ranks" in out and "missing_rank: no shard for rank 1 of 2" in out
