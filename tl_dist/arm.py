@@ -355,7 +355,7 @@ class _SignalWatcher:
     then gives SIGTERM its default action (terminate) when that was the previous disposition.
     """
 
-    GRACE_S = 1.0
+    GRACE_S = 2.0
 
     def __init__(self, state: Armed, read_fd: int, write_fd: int) -> None:
         self._state = state
