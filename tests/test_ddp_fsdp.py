@@ -84,9 +84,11 @@ def _fsdp(rank, world_size, out_dir):
     fully_shard(model[0])
     fully_shard(model[2])
     fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     with tl.capture() as cap:
         model(x).sum().backward()
+        opt.step()  # on the sharded DTensor parameters: no collective
     trace = cap.trace
     copy_ins = [op.index for op in trace if op.func == "all_gather_copy_in"]
     gathers = [c for c in trace.collectives if c.func == "all_gather"]

@@ -331,11 +331,20 @@ class Recorder:
         for t in written:
             lo, hi = _byte_extent(t)
             if hi > lo:
-                self._writes.setdefault(t.untyped_storage().data_ptr(), []).append((index, lo, hi))
+                try:
+                    key = t.untyped_storage().data_ptr()
+                except RuntimeError:  # storage-less wrapper subclass (see _written_since)
+                    continue
+                self._writes.setdefault(key, []).append((index, lo, hi))
 
     def _written_since(self, t: Tensor, since: int) -> int:
         """The latest op after op ``since`` that wrote in place into memory ``t`` covers; -1 if none."""
-        entries = self._writes.get(t.untyped_storage().data_ptr())
+        try:
+            entries = self._writes.get(t.untyped_storage().data_ptr())
+        except RuntimeError:
+            # A wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor): its
+            # data lives in inner tensors, which its own dispatch handles below the mode.
+            return -1
         if not entries or entries[-1][0] <= since:
             return -1
         lo, hi = _byte_extent(t)
@@ -369,7 +378,10 @@ class Recorder:
     def _copy_before_write(self, written: list[Tensor]) -> None:
         """Copy saved tensors that share memory with tensors an in-place op is about to overwrite."""
         for t in written:
-            entries = self._storage_refs.pop(t.untyped_storage().data_ptr(), None)
+            try:
+                entries = self._storage_refs.pop(t.untyped_storage().data_ptr(), None)
+            except RuntimeError:  # storage-less wrapper subclass (see _written_since)
+                continue
             for index, what, pos in entries or ():
                 if what == 0:
                     saved = self.saved[index]
