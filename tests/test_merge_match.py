@@ -230,3 +230,21 @@ def test_progress_bar_and_multiple_steps(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"steps \[10, 20\]; pass step="):
         g.rank(0)
     assert g.rank(1, step=20).metadata["step"] == 20
+
+
+def test_offsets_chain_through_pairwise_groups(tmp_path):
+    # Ranks 0-1, 1-2 and 2-3 share collectives, 0 and 3 never do: rank 3's offset comes through the chain.
+    shifts = [0, 7_000_000, -3_000_000, 11_000_000]
+    scripts: list[list] = [[] for _ in range(4)]
+    for k in range(5):
+        for a in range(3):
+            done = 10**12 + (k * 3 + a + 1) * 1_000_000
+            for r in (a, a + 1):
+                scripts[r].append(
+                    coll(
+                        source=A, group=(a, a + 1), issue=done - 50_000 + shifts[r], complete=done + shifts[r]
+                    )
+                )
+    g = _merge(tmp_path, scripts)
+    assert g.findings == []
+    assert g.offsets == {r: s for r, s in enumerate(shifts)}

@@ -1,15 +1,16 @@
 """Per-rank clock offsets from matched collectives.
 
 A blocking collective completes at nearly the same instant on every member: the last member to arrive releases
-them all. So for each matched, completed collective the members' completion times differ by (clock offset +
-small jitter). Offsets are the values that make completions agree best, found by alternating medians:
+them all. So for a matched, completed collective, member r's completion time minus the lowest member's is
+(offset_r - offset_lo) + small jitter. Per pair (lo, r) the median of those differences shrugs off the odd late
+observation; the offsets are then the least-squares solution of
 
-    centre_c = median over members m of (complete_{c,m} - offset_m)
-    offset_r = median over collectives c of r of (complete_{c,r} - centre_c)
+    offset_r - offset_lo = median_diff(lo, r)      (weighted by sqrt(number of collectives))
 
-then shifted so the lowest rank has offset 0. Medians shrug off the odd late observation; a few rounds suffice
-because a good start (offset 0 on one host) is already close. Async collectives are used only when there are no
-blocking ones: their completion is observed when the user waits, which may be long after the fact.
+with the lowest rank of each connected set of ranks fixed at 0. Ranks that never share a collective with the
+reference are chained through the groups they do share (0-1, 1-2, 2-3 gives rank 3's offset). Async collectives
+are used only when there are no blocking ones: their completion is observed when the user waits, which may be
+long after the fact.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import numpy as np
 import pandas as pd
 
 from .match import Joined
-
-_ROUNDS = 8
 
 
 def estimate_offsets(joined: list[Joined], ranks: list[int]) -> dict[int, int]:
@@ -38,37 +37,49 @@ def estimate_offsets(joined: list[Joined], ranks: list[int]) -> dict[int, int]:
     blocking = [j for j in usable if not any(e.is_async for e in j.entries.values())]
     usable = blocking or usable
     offsets = {r: 0 for r in ranks}
-    if not usable or not ranks:
-        return offsets
     index = {r: i for i, r in enumerate(ranks)}
-    slot_ids, rank_ids, times = [], [], []
-    for c, j in enumerate(usable):
-        for r, e in j.entries.items():
-            if r in index:
-                slot_ids.append(c)
-                rank_ids.append(index[r])
-                times.append(e.complete_ns)
-    slot_ids_a = np.asarray(slot_ids)
-    rank_ids_a = np.asarray(rank_ids)
-    t = np.asarray(times, dtype=np.int64)
-    base = int(t.min())
-    # Relative times fit float64 exactly for runs shorter than ~100 days.
-    tf = (t - base).astype(np.float64)
-    n_slots, n_ranks = len(usable), len(ranks)
-    off = np.zeros(n_ranks)
-    slot_keys = pd.Index(slot_ids_a)
-    rank_keys = pd.Index(rank_ids_a)
-    for _ in range(_ROUNDS):
-        centre = (
-            pd.Series(tf - off[rank_ids_a]).groupby(slot_keys).median().reindex(range(n_slots)).to_numpy()
-        )
-        dev = pd.Series(tf - centre[slot_ids_a]).groupby(rank_keys).median()
-        new = dev.reindex(range(n_ranks)).fillna(0.0).to_numpy()
-        done = np.allclose(new, off, atol=1.0)
-        off = new
-        if done:
-            break
-    has = np.bincount(rank_ids_a, minlength=n_ranks) > 0
-    ref = int(np.argmax(has))  # lowest rank with evidence
-    off = off - off[ref]
-    return {r: (int(round(off[i])) if has[i] else 0) for r, i in index.items()}
+    lo_ids, r_ids, diffs = [], [], []
+    for j in usable:
+        members = sorted(r for r in j.entries if r in index)
+        if len(members) < 2:
+            continue
+        lo = members[0]
+        base = j.entries[lo].complete_ns
+        for r in members[1:]:
+            lo_ids.append(index[lo])
+            r_ids.append(index[r])
+            diffs.append(j.entries[r].complete_ns - base)
+    if not diffs:
+        return offsets
+    frame = pd.DataFrame({"lo": lo_ids, "r": r_ids, "d": np.asarray(diffs, dtype=np.int64)})
+    pairs = frame.groupby(["lo", "r"]).d.agg(["median", "size"]).reset_index()
+    n = len(ranks)
+    # Connected sets of ranks (union-find over the pairs): each one's lowest rank is its reference.
+    parent = list(range(n))
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for a, b in zip(pairs["lo"], pairs["r"]):
+        ra, rb = find(int(a)), find(int(b))
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    involved = sorted(set(pairs["lo"]) | set(pairs["r"]))
+    roots = sorted({find(int(i)) for i in involved})
+    rows = len(pairs) + len(roots)
+    a_mat = np.zeros((rows, n))
+    b_vec = np.zeros(rows)
+    w = np.sqrt(pairs["size"].to_numpy(dtype=np.float64))
+    k = np.arange(len(pairs))
+    a_mat[k, pairs["r"].to_numpy()] = w
+    a_mat[k, pairs["lo"].to_numpy()] = -w
+    b_vec[: len(pairs)] = w * pairs["median"].to_numpy(dtype=np.float64)
+    for m, root in enumerate(roots):
+        a_mat[len(pairs) + m, root] = 1e6  # pins the reference of each connected set at 0
+    solution = np.linalg.lstsq(a_mat, b_vec, rcond=None)[0]
+    for i in involved:
+        offsets[ranks[int(i)]] = int(round(solution[int(i)]))
+    return offsets

@@ -313,6 +313,19 @@ def merge_ranks(
         raise ValueError(f"world_size must be a positive int or None, got {world_size!r}")
     if not isinstance(progress, bool):
         raise ValueError(f"progress must be a bool, got {progress!r}")
+    # Reading and joining allocate millions of small objects (columns, one record per collective per rank);
+    # the cyclic GC walking them again and again made the merge superlinear in ranks. Nothing here makes
+    # cycles, so it is paused for the merge (and restored if it was on).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _merge(path_or_paths, strict=strict, world_size=world_size, progress=progress)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _merge(path_or_paths: Any, *, strict: bool, world_size: int | None, progress: bool) -> MergedTrace:
     refs: list[ShardRef] = find_shards(path_or_paths)
     traces, errors, facts = read_all(refs, strict=strict, progress=progress)
     worlds = {w for w, _ in facts.values() if w is not None}
@@ -337,12 +350,4 @@ def merge_ranks(
                     "strict=False to merge the other ranks and report it as a finding"
                 )
     incomplete = {key for key, (_, complete) in facts.items() if not complete}
-    # The join allocates an object per collective per rank; the cyclic GC walking them repeatedly made the
-    # merge superlinear in ranks. Nothing here makes cycles, so it is paused (restored if it was on).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return build(traces, world_size=world_size, incomplete=incomplete, shard_errors=errors, absent=absent)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    return build(traces, world_size=world_size, incomplete=incomplete, shard_errors=errors, absent=absent)
