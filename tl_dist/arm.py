@@ -120,7 +120,10 @@ class Window:
         trace = capture.trace
         trace.metadata.update(meta)
         try:
-            write_shard(trace, self.path, complete=complete, options=self.armed.shard)
+            # Serialised with post-mortem writes (the signal watcher may be writing this window's snapshot):
+            # the shard that ends up under the name is this final one.
+            with _writing:
+                write_shard(trace, self.path, complete=complete, options=self.armed.shard)
         except Exception as write_exc:
             if exc is None:
                 raise
@@ -128,7 +131,8 @@ class Window:
             warnings.warn(
                 f"tl_dist: could not write post-mortem shard {self.path}: {write_exc}", stacklevel=2
             )
-        trace.metadata["shard"] = str(self.path)
+        else:
+            trace.metadata["shard"] = str(self.path)
 
 
 _state: Armed | None = None

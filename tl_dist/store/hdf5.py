@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,8 @@ def write_shard(
     meta = dict(trace.metadata)
     meta.update(metadata or {})
     meta["complete"] = bool(complete)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # pid and thread: a post-mortem written from tl_dist's signal watcher never shares a temporary name.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         # v110 object headers: a third cheaper to create than the default's, and HDF5 >= 1.10 tools
         # (h5dump included) read them.
