@@ -278,6 +278,27 @@ def test_straggler_and_clock_shift(tmp_path):
     assert 180e6 < g.collectives.skew_ns.median() < 300e6, list(g.collectives.skew_ns)
 
 
+def test_train_ddp_example_under_torchrun(tmp_path):
+    """The `make demo` job: 2 ranks under torchrun, DDP, captured windows, then rank 0 merges."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(root / "examples" / "train_ddp.py"), "--out", str(out), "--steps", "4"]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no findings" in proc.stdout and "stragglers" in proc.stdout
+    assert sorted(p.name for p in (out / "rank00001").glob("*.h5")) == ["step00000002.h5", "step00000004.h5"]
+    g = tl.load_merged(out / "merged.h5")
+    assert g.findings == [] and g.steps == [2, 4]
+    assert g.stragglers().groupby("step").head(1)["rank"].tolist() == [1, 1]  # rank 1 sleeps each step
+    assert (out / "merged.svg").stat().st_size > 1000 and (out / "merged.perfetto.json").stat().st_size > 1000
+
+
 def _line(text: str) -> int:
     with open(__file__) as fh:
         for n, line in enumerate(fh, 1):
