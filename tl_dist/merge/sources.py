@@ -192,7 +192,7 @@ def _attr(trace: Trace, name: str, default: Any) -> Any:
 
 
 def read_all(refs: list[ShardRef], *, strict: bool, progress: bool) -> tuple[dict, dict, dict]:
-    """Load every shard. Returns ``({(step, rank): Trace}, {(step, rank): error message},
+    """Read every shard's tables. Returns ``({(step, rank): ShardTables}, {(step, rank): error message},
     {(step, rank): (world_size or None, complete)})``.
 
     With ``strict`` a shard that cannot be read raises :class:`MergeError` naming it.
@@ -202,9 +202,12 @@ def read_all(refs: list[ShardRef], *, strict: bool, progress: bool) -> tuple[dic
     facts: dict[tuple[int, int], tuple[int | None, bool]] = {}
     iterator: Any = refs
     if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(refs, desc="reading shards", unit="shard", leave=False)
+        try:
+            from tqdm.auto import tqdm  # installed with lightning; optional here
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            iterator = tqdm(refs, desc="reading shards", unit="shard", leave=False)
     for ref in iterator:
         try:
             trace = load_tables(ref)
