@@ -196,6 +196,11 @@ def test_lazy_and_no_tensor_loading(tmp_path):
     bare = tl.load(path, tensors=False)
     assert len(bare.saved) == 0 and bare["convolution_1"].out is None
     assert bare.columns == lazy.columns
+    # Lazy reads after the file went away name the file.
+    again = tl.load(path)
+    path.rename(path.with_suffix(".moved"))
+    with pytest.raises(tl.ShardFormatError, match=r"l\.h5"):
+        _ = again["relu_1"].out
 
 
 def test_failed_write_leaves_no_file(tmp_path):
