@@ -45,6 +45,26 @@ _STAT_NAMES = field_names(STAT_FIELDS)[3:]  # the value columns after op, of, at
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KIND = field_names(OP_FIELDS).index("kind")
 _PHASE = field_names(OP_FIELDS).index("phase")
+_FUNC = field_names(OP_FIELDS).index("func")
+# Ops stats=True skips besides views: uninitialised memory (its "statistics" are garbage, NaN included, and
+# would fool first_nonfinite) and copies/aliases whose values are their input's, already counted.
+_NO_STATS = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "_unsafe_view",
+        "clone",
+        "alias",
+    }
+)
+
+
+def _stats_by_default(row: tuple) -> bool:
+    """Whether stats=True covers this op: forward ops that compute new values."""
+    return row[_PHASE] == "forward" and row[_KIND] != "view" and row[_FUNC] not in _NO_STATS
 
 
 def backward_link(token: object) -> int:
@@ -227,7 +247,7 @@ class TrainingState:
 
             if not self.stats_selector.match(RowView(row)):
                 return
-        elif row[_KIND] == "view" or row[_PHASE] != "forward":
+        elif not _stats_by_default(row):
             # stats=True means activations and gradients. A view's values are its base's, counted at the op
             # that made them; a backward op's output is a gradient, recorded as the `grad` row of the forward
             # op it differentiates; optimizer ops rewrite parameters and state. A selector can still pick any.
@@ -282,7 +302,7 @@ class TrainingState:
 
     def _selected(self, index: int) -> tuple[bool, bool]:
         """(keep the gradient, record its statistics) for forward op ``index``."""
-        keep, stats = self.grads_all, self.stats_all
+        keep, stats = self.grads_all, self.stats_all and _stats_by_default(self.rec.rows[index])
         if not (keep and stats):
             from ._recorder import RowView
 
