@@ -295,7 +295,11 @@ class Recorder:
         for pos, o in enumerate(outs):
             storage = o.untyped_storage()
             if storage.nbytes():
-                watch(storage.data_ptr(), []).append((index, 0, pos))
+                try:
+                    ptr = storage.data_ptr()
+                except RuntimeError:  # storage-less wrapper subclass (AsyncCollectiveTensor, DTensor)
+                    continue
+                watch(ptr, []).append((index, 0, pos))
         # Replay info. The argument structure is kept as the dispatcher passed it (the tensors in it act as
         # slots, see fill_skeleton): building a copy per op would cost more than the op on small tensors.
         # Untracked tensors (parameters, inputs) are watched so that a later in-place write (an optimizer
@@ -313,7 +317,11 @@ class Recorder:
                     consts[k] = pre_write[k]
                 storage = t.untyped_storage()
                 if storage.nbytes():
-                    watch(storage.data_ptr(), []).append((index, 1, k))
+                    try:
+                        ptr = storage.data_ptr()
+                    except RuntimeError:  # storage-less wrapper subclass
+                        continue
+                    watch(ptr, []).append((index, 1, k))
         self.replay[index] = (func, args, kwargs, srcs, consts)
 
     def _before_write(self, index: int, written: list[Tensor], tensors: list, srcs: list) -> None:
@@ -373,7 +381,11 @@ class Recorder:
     def _watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
         storage = t.untyped_storage()
         if storage.nbytes():
-            self._storage_refs.setdefault(storage.data_ptr(), []).append(entry)
+            try:
+                ptr = storage.data_ptr()
+            except RuntimeError:  # storage-less wrapper subclass
+                return
+            self._storage_refs.setdefault(ptr, []).append(entry)
 
     def _copy_before_write(self, written: list[Tensor]) -> None:
         """Copy saved tensors that share memory with tensors an in-place op is about to overwrite."""
