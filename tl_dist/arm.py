@@ -360,6 +360,7 @@ class _SignalWatcher:
     """
 
     GRACE_S = 2.0
+    WRITE_TIMEOUT_S = 60.0
 
     def __init__(self, state: Armed, read_fd: int, write_fd: int) -> None:
         self._state = state
@@ -408,7 +409,13 @@ class _SignalWatcher:
                     )
                 if done or _state is not self._state:
                     continue
-                write_postmortem(signal.Signals(signum).name)
+                # In a helper thread with a deadline: on CUDA the snapshot synchronises the device, which a hung
+                # NCCL kernel can block forever; SIGTERM must end the process all the same.
+                writer = threading.Thread(
+                    target=write_postmortem, args=(signal.Signals(signum).name,), daemon=True
+                )
+                writer.start()
+                writer.join(timeout=self.WRITE_TIMEOUT_S)
                 previous = self._state.previous_handlers.get(signum)
                 if signum == signal.SIGTERM and previous in (signal.SIG_DFL, None):
                     _die_by_default(signum)
