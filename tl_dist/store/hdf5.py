@@ -40,7 +40,7 @@ _TREE_FIELDS = (
     Field("leaves", "str", "JSON list: null for op outputs, a value, or {'tensor': name} in /tree_tensors."),
 )
 
-# torch dtypes numpy cannot hold are stored bit-for-bit as unsigned ints of the same width.
+# torch dtypes numpy cannot hold (bfloat16, float8) are stored bit for bit as ints of the same width.
 _NUMPY_NATIVE = frozenset(
     {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
     | {"complex64", "complex128", "uint16", "uint32", "uint64"}
