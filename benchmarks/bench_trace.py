@@ -30,9 +30,11 @@ import importlib.util
 import json
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -306,6 +308,23 @@ def to_pandas_s(trace: tl.Trace, rounds: int) -> float:
     return statistics.median(best_of(trace.to_pandas, 1) for _ in range(rounds))
 
 
+def draw_s(tmp: Path) -> tuple[int, int, float, float]:
+    """A 330-block Linear/ReLU chain (990 ops, 991 module calls): seconds to build the DOT text, seconds for
+    the whole ``draw`` (Graphviz layout included)."""
+    from tl_dist.views.draw import graph_source
+
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(330)]
+    )
+    trace = trace_fn(model, torch.randn(1, 4), None)()
+    start = time.perf_counter()
+    graph_source(trace)
+    source_s = time.perf_counter() - start
+    start = time.perf_counter()
+    trace.draw(tmp / "graph.svg")
+    return len(trace), len(trace.module_table["address"]), source_s, time.perf_counter() - start
+
+
 def op_counts(work: dict) -> dict[str, tuple[int, str]]:
     """name -> (ops in one traced forward, the three most frequent funcs)."""
     out = {}
@@ -403,6 +422,8 @@ def main() -> None:
     resnet_trace = trace_fn(model, x, True)()
     pandas_s = to_pandas_s(resnet_trace, rounds=max(3, rounds // 2))
     theirs = run_torchlens(rounds)
+    with tempfile.TemporaryDirectory() as tmp:
+        drawn = draw_s(Path(tmp)) if shutil.which("dot") else None
 
     print("\nTrace overhead: traced forward / plain forward (median over rounds, min in brackets)")
     header = (
@@ -470,6 +491,12 @@ def main() -> None:
     if theirs:
         line += f"; here {theirs['resnet18']['to_pandas_s']:.2f} s"
     print(line + ")")
+    if drawn is not None:
+        n_ops, n_calls, source_s, total_s = drawn
+        print(
+            f"draw() of a {n_ops}-op trace with {n_calls} module calls: DOT text {1e3 * source_s:.1f} ms, "
+            f"with Graphviz layout to SVG {total_s:.2f} s"
+        )
     if theirs is None:
         print("TorchLens is not installed here: its column shows the issue's reference numbers only.")
     if args.profile:
