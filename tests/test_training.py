@@ -288,3 +288,25 @@ def test_save_grads_by_module_output():
     h = torch.tanh(model[0](x)).detach().requires_grad_()
     (expected,) = torch.autograd.grad(model[2](h).sum(), h)
     torch.testing.assert_close(trace[index].grad, expected)
+
+
+def test_stored_grads_survive_gradient_accumulation():
+    # Two micro-batches in one window: the second backward accumulates into .grad in place (AccumulateGrad's
+    # add_), which may share memory with a gradient stored during the first backward (a Linear's t op output
+    # gradient is what becomes weight.grad). Stored gradients must keep their first-backward values.
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    x1, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    alone = copy.deepcopy(model)
+    with tl.Capture(save_grads=True) as cap:
+        _loss(alone(x1)).backward()
+    expected = {i: [g.clone() if g is not None else None for g in gs] for i, gs in cap.trace.grads.items()}
+
+    with tl.Capture(save_grads=True) as cap:
+        _loss(model(x1)).backward()
+        _loss(model(x2)).backward()
+    trace = cap.trace
+    assert "add_" in trace.columns["func"]  # the in-place accumulation did run inside the window
+    for index, grads in expected.items():
+        for got, want in zip(trace.grads[index], grads):
+            if want is not None:
+                assert torch.equal(got, want), trace[index].label
