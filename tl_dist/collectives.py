@@ -37,6 +37,7 @@ What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -215,6 +216,7 @@ class CollectiveLog:
         self._blocking: dict[int, None] = {}  # rows issued through the blocking API (async_op=False)
         self._functional: dict[int, int] = {}  # op index -> row, completed by wait_tensor / first reader
         self._ddp: dict[int, int] = {}  # autograd graph task -> DDP buckets seen in it
+        self._failed: set[str] = set()  # funcs already warned about
 
     def _group(self, value: Any) -> _Group | None:
         if isinstance(value, str):
@@ -243,7 +245,35 @@ class CollectiveLog:
         t0: int,
         t1: int,
     ) -> list[Tensor]:
-        """Add the collective row for op ``index`` (already in the op table); returns the op's data outputs."""
+        """Add the collective row for op ``index`` (already in the op table); returns the op's data outputs.
+
+        Never raises into the user's step: a collective tl_dist cannot describe (an exotic backend or group)
+        keeps its op row, gets no collective row, and is reported once as a warning.
+        """
+        try:
+            return self._record(index, comm, args, kwargs, out, outs, t0, t1)
+        except Exception as exc:  # noqa: BLE001 - the training step matters more than the record
+            if comm.func not in self._failed:
+                self._failed.add(comm.func)
+                warnings.warn(
+                    f"tl_dist: could not describe collective {comm.func} (op {index}): "
+                    f"{type(exc).__name__}: {exc}; it stays an op row without a collective row",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return outs
+
+    def _record(
+        self,
+        index: int,
+        comm: CommOp,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        outs: list[Tensor],
+        t0: int,
+        t1: int,
+    ) -> list[Tensor]:
         recorder = self.recorder
         if comm.spec is None:
             if comm.is_wait:
