@@ -153,9 +153,9 @@ def summary(trace: Trace, *, top: int = 10) -> str:
         The summary as one multi-line string.
 
     Example:
-        >>> trace = tl.trace(model, x)
+        >>> trace = tl.trace(model, x)  # the small CNN of examples/demo.py
         >>> print(trace.summary(top=5))
-        tl_dist trace: 142 ops, 21 module calls, 13.41 ms, 3.64 GFLOP, 142 saved ops (24.13 MiB)
+        tl_dist trace: 17 ops, 15 module calls, 5.55 ms in ops, 41.29 MFLOP, 17 saved ops (2.50 MiB)
         ...
     """
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
@@ -166,7 +166,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
     total_flops = sum(cols["flops"])
     n_calls = len(trace.module_table["address"])
     lines = [
-        f"tl_dist trace: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)}, "
+        f"tl_dist trace: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
         f"{format_count(total_flops, 'FLOP')}, {len(trace.saved)} saved ops ({format_bytes(saved_bytes(trace))})"
     ]
     if trace.failed_op:
@@ -211,7 +211,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
                 (
                     str(i),
                     cols["label"][i],
-                    cols["module"][i] or "-",
+                    (cols["module"][i] or "<root>") if cols["module_call"][i] >= 0 else "-",
                     format_shape(tuple(shapes[0]) if shapes else None),
                     format_ns(durations[i]),
                     f"{share:.1f}%",
