@@ -258,6 +258,10 @@ def _straggler(rank, world_size, out_dir, shift_ns):
                 time.sleep(0.2)
             dist.all_reduce(x)
             x = x / 2
+        # More completions for the clock estimate: on 2 shared cores one rank's observation of a completion
+        # is now and then late by milliseconds; the median over 20 shrugs that off.
+        for _ in range(16):
+            dist.all_reduce(x)
     tl.disarm()
     return {}
 
@@ -273,9 +277,11 @@ def test_straggler_and_clock_shift(tmp_path):
     # rank 0 waited ~200 ms in each of the 4 all_reduces. The machine's 2 cores are shared with other jobs, so
     # allow one collective in four to be disturbed, and check the median skew tightly.
     by_rank = strag.set_index("rank")
-    assert 3 * 150e6 < by_rank.loc[0, "wait_ns"] < 4 * 350e6, strag
+    assert 3 * 150e6 < by_rank.loc[0, "wait_ns"] < 4 * 350e6 + 16 * 50e6, strag
     assert by_rank.loc[1, "last_count"] >= 3
-    assert 180e6 < g.collectives.skew_ns.median() < 300e6, list(g.collectives.skew_ns)
+    slept = g.collectives.skew_ns[:4]  # the 4 all_reduces rank 1 slept before (in issue order)
+    assert 180e6 < slept.median() < 300e6, list(slept)
+    assert g.collectives.skew_ns[4:].max() < 150e6
 
 
 def test_train_ddp_example_under_torchrun(tmp_path):
