@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import run_ranks
 from torch import nn
 
@@ -38,8 +39,15 @@ def _ddp(rank, world_size, out_dir):
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
+    user_buf = torch.ones(5)
+
+    def user_hook(grad):
+        dist.all_reduce(user_buf)  # a user's own all-reduce in backward: not a DDP bucket
+
     with tl.capture() as cap:
-        model(x).sum().backward()
+        out = model(x)
+        out.register_hook(user_hook)
+        out.sum().backward()
         opt.step()
     buckets = [b.buffer().numel() for b in model.reducer._get_zeros_like_grad_buckets()]
     hooks_after = (dict(model._forward_hooks), model._comm_hooks if hasattr(model, "_comm_hooks") else None)
@@ -56,8 +64,9 @@ def _ddp(rank, world_size, out_dir):
 def test_ddp_bucket_all_reduces(tmp_path):
     results = run_ranks(_ddp, world_size=2, tmp_path=tmp_path)
     for res in results:
-        rows = res["rows"]
+        user, *rows = res["rows"]  # the output's gradient (and so the user's hook) comes first in backward
         assert len(res["buckets"]) == 3, res["buckets"]  # one bucket per layer (see _mlp)
+        assert (user["in_numel"], user["bucket"], user["phase"]) == (5, -1, "backward")
         assert [r["func"] for r in rows] == ["all_reduce"] * 3
         assert [r["bucket"] for r in rows] == [0, 1, 2]
         # Bucket i's all-reduce carries bucket i's flat buffer: 64*64 + 64 = 4160 elements each.
@@ -71,7 +80,7 @@ def test_ddp_bucket_all_reduces(tmp_path):
         assert res["hooks_unchanged"]
     assert [r["seq"] for r in results[0]["rows"]] == [r["seq"] for r in results[1]["rows"]]
     seqs = [r["seq"] for r in results[0]["rows"]]
-    assert seqs == list(range(seqs[0], seqs[0] + 3))
+    assert seqs == list(range(seqs[0], seqs[0] + 4))
     # Replicas stayed in sync through the captured step.
     assert results[0]["weight_sum"] == pytest.approx(results[1]["weight_sum"], rel=1e-6)
 

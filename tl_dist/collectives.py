@@ -36,6 +36,8 @@ What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -311,7 +313,7 @@ class CollectiveLog:
         bucket = -1
         if spec.func == "all_reduce" and comm.ns == "c10d" and len(inputs) == 1 and inputs[0].dim() == 1:
             task = torch._C._current_graph_task_id()
-            if task != -1:
+            if task != -1 and _issued_by_ddp():
                 bucket = self._ddp.get(task, 0)
                 self._ddp[task] = bucket + 1
         row_i = len(self.rows)
@@ -481,6 +483,31 @@ def _first_reader_ends(
                 # start_ns is already on the epoch clock; _done holds perf-counter ns.
                 found[row] = starts[i] + durations[i] - offset
     return found
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(__file__) + os.sep
+# Frames between the dispatcher and this module: ours, and torch's wrappers around __torch_dispatch__.
+_PLUMBING = (_OWN_DIR, _TORCH_DIR + "_dynamo" + os.sep, _TORCH_DIR + "_compile.py")
+# Who calls into the dispatcher when DDP all-reduces a bucket: its C++ reducer, inside the autograd engine
+# (no Python frame, or the engine's Python entry point), a comm hook, or DDP's Python reducer.
+_DDP_CALLERS = tuple(
+    _TORCH_DIR + d
+    for d in (
+        "autograd" + os.sep,
+        f"distributed{os.sep}algorithms{os.sep}ddp_comm_hooks{os.sep}",
+        f"nn{os.sep}parallel{os.sep}",
+    )
+)
+
+
+def _issued_by_ddp() -> bool:
+    """Was the all-reduce being recorded issued by DDP, not by user code running in backward (a tensor hook
+    calling ``dist.all_reduce``)? Decided by the first Python frame outside the dispatch plumbing."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PLUMBING):
+        frame = frame.f_back
+    return frame is None or frame.f_code.co_filename.startswith(_DDP_CALLERS)
 
 
 def _work(out: Any) -> Any:
