@@ -24,8 +24,9 @@ What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
 - Functional collectives dispatch ``_c10d_functional.*`` (group by name) followed by ``_wrap_tensor_autograd``;
   their ``wait_tensor`` reaches the mode only when called from user code (``AsyncCollectiveTensor.wait()``),
   not when the AsyncCollectiveTensor waits inside another op's dispatch.
-- DDP's gradient buckets: one ``c10d.allreduce_`` of a flat 1-D bucket per bucket, issued from the autograd
-  engine (``torch._C._current_graph_task_id() != -1``), in bucket order. NB: DDP's first iteration runs with
+- DDP's gradient buckets: one ``c10d.allreduce_`` of a flat 1-D bucket per bucket, issued by the C++ reducer
+  inside the autograd engine (``torch._C._current_graph_task_id() != -1``, no user Python frame between the
+  engine and the dispatcher), in bucket order. NB: DDP's first iteration runs with
   one bucket; buckets are rebuilt (broadcasts inside DDP's forward) on the second.
 - FSDP2 (``fully_shard``): ``fsdp.all_gather_copy_in`` then ``c10d._allgather_base_``; in backward
   ``fsdp.chunk_cat`` then ``c10d._reduce_scatter_base_``.
