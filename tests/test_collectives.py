@@ -322,9 +322,16 @@ def _saved_values(rank, world_size, out_dir):
         dist.all_reduce(y)  # overwrites mul_1's output in place
         f = funcol.all_reduce(y, "sum", dist.group.WORLD)
         z = f + 1
+        g = funcol.all_gather_tensor(y, 0, dist.group.WORLD).wait()  # an explicit wait_tensor
     trace = cap.trace
     report = trace.validate()
+    gather = next(c for c in trace.collectives if c.func == "all_gather")
+    wait = trace["wait_tensor_1"]
     return {
+        "gather": (gather.state, gather.complete_ns, gather.out_numel, gather.is_async),
+        "wait_end": wait.start_ns + wait.duration_ns,
+        "wait_parents": [trace[i].label for i in wait.parents],
+        "g": g.tolist(),
         "mul": trace["mul_1"].out.tolist(),
         "all_reduce_1": trace["all_reduce_1"].out.tolist(),
         "all_reduce_2": trace["all_reduce_2"].out.tolist(),
@@ -347,3 +354,6 @@ def test_saved_values_around_in_place_collectives(tmp_path):
         # Replaying a collective would need every member: validate skips them and checks the rest.
         assert res["mismatches"] == 0
         assert {"all_reduce_1", "all_reduce_2"} <= set(res["skipped"])
+        # A functional collective completes at the wait_tensor user code calls on it (same clock, exact).
+        assert res["gather"] == ("completed", res["wait_end"], 8, True)
+        assert res["wait_parents"] == ["all_gather_1"] and res["g"] == [3.0] * 8
