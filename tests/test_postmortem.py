@@ -227,3 +227,21 @@ def test_sigterm_to_rank_hung_in_collective_leaves_evidence(tmp_path):
     table = trace.collective_table
     assert table["state"] == ["issued"] and table["op"] == [last.index]
     assert table["group_ranks"] == [(0, 1)]
+
+
+@pytest.mark.slow
+def test_sigterm_outside_a_window_terminates_without_a_shard(tmp_path):
+    body = """
+        import sys, time, tl_dist as tl
+        from pathlib import Path
+        out = Path(sys.argv[1])
+        tl.arm(out / "run")
+        (out / "ready").touch()
+        time.sleep(120)
+    """
+    proc = _spawn(tmp_path, body)
+    _wait_for(tmp_path / "ready", proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    assert list((tmp_path / "run" / "rank00000").iterdir()) == []
