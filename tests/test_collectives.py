@@ -75,12 +75,13 @@ class CommModel(nn.Module):
         acc = acc + s.sum()
         # A ring: even ranks send first, odd ranks receive first (no deadlock with any even world size).
         msg, got = torch.full((4,), float(rank)), torch.empty(4)
+        # The second hop uses isend/irecv: same ops at the dispatcher, told apart as async.
         if rank % 2 == 0:
             dist.send(msg, (rank + 1) % ws)
-            dist.recv(got, (rank - 1) % ws)
+            dist.irecv(got, (rank - 1) % ws).wait()
         else:
             dist.recv(got, (rank - 1) % ws)
-            dist.send(msg, (rank + 1) % ws)
+            dist.isend(msg, (rank + 1) % ws).wait()
         acc = acc + got.sum()
         dist.barrier()
         a = torch.ones(4)
@@ -179,6 +180,7 @@ def test_every_collective_four_ranks(tmp_path):
         # async_op=True and the functional collective are async; the blocking API is not.
         assert [r["is_async"] for r in rows if r["func"] == "all_reduce"] == [True, True, False, False, False]
         assert not by["broadcast_1"]["is_async"]
+        assert by["send_1"]["is_async"] == (rank % 2 == 1) and by["recv_1"]["is_async"] == (rank % 2 == 0)
         # Everything completed, after it was issued.
         late = [(r["label"], r["state"]) for r in rows if not r["complete_ns"] >= r["issue_ns"] > 0]
         assert all(r["state"] == "completed" for r in rows) and not late, late

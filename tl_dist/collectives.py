@@ -153,9 +153,9 @@ class CommOp:
 
     def is_async(self, args: tuple, kwargs: dict) -> bool:
         if not self.has_async_arg:
-            # Functional collectives always return before completion; c10d send/recv cannot tell isend from
-            # send at the dispatcher (NB: reported as not async).
-            return self.ns != "c10d"
+            # Functional collectives always return before completion. c10d send/recv have no async_op: the
+            # blocking dist.send/recv are isend/irecv plus wait(), told apart by their Python caller.
+            return self.ns != "c10d" or not _blocking_p2p()
         return bool(self.arg("async_op", args, kwargs, self._default_async))
 
 
@@ -342,7 +342,7 @@ class CollectiveLog:
             ]
         )
         self._watch(row_i, comm, out, first, t1)
-        if comm.has_async_arg and not is_async and not (first is not None and first.is_cuda):
+        if not is_async and comm.ns == "c10d" and not (first is not None and first.is_cuda):
             # NB: on CUDA the blocking API only orders streams; it returns before the collective finished.
             self._blocking[row_i] = None
         if self._polled:
@@ -500,6 +500,23 @@ _DDP_CALLERS = tuple(
         f"nn{os.sep}parallel{os.sep}",
     )
 )
+
+
+_C10D_PY = _TORCH_DIR + "distributed" + os.sep
+_BLOCKING_P2P = frozenset({"send", "recv"})
+
+
+def _blocking_p2p() -> bool:
+    """Is the send/recv being recorded the blocking ``dist.send``/``dist.recv`` (which call isend/irecv, then
+    wait), rather than ``isend``/``irecv``/``batch_isend_irecv`` whose caller waits later, if ever?"""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PLUMBING):
+        frame = frame.f_back
+    while frame is not None and frame.f_code.co_filename.startswith(_C10D_PY):
+        if frame.f_code.co_name in _BLOCKING_P2P and frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _issued_by_ddp() -> bool:
