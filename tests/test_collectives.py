@@ -359,3 +359,18 @@ def test_saved_values_around_in_place_collectives(tmp_path):
         # A functional collective completes at the wait_tensor user code calls on it (same clock, exact).
         assert res["gather"] == ("completed", res["wait_end"], 8, True)
         assert res["wait_parents"] == ["all_gather_1"] and res["g"] == [3.0] * 8
+
+
+def _rank1_raises(rank, world_size, out_dir):
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return {"rank": rank}
+
+
+@pytest.mark.slow
+def test_run_ranks_reports_the_failing_rank(tmp_path):
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_rank1_raises, world_size=2, tmp_path=tmp_path, timeout=60)
+    message = str(info.value)
+    assert "1 of 2 ranks failed" in message and "--- rank 1 raised" in message
+    assert "ValueError: rank one refuses" in message and "rank 0" not in message
