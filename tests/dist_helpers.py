@@ -18,7 +18,8 @@ Each rank runs in a fresh process (spawn), joins a process group through a TCPSt
 port race), runs ``fn(rank, world_size, out_dir, *args)``, and writes what ``fn`` returns with ``torch.save``
 to ``tmp_path/rank{r}.pt`` (plain data: dicts, lists, tuples, str, numbers, tensors -- read back with
 ``weights_only=True``). A rank that raises writes its traceback; a hang is killed after ``timeout``. Either
-fails the test with every rank's traceback.
+fails the test with every rank's traceback; once a rank failed, the others get 10 s before they are killed
+(they are usually stuck in a collective with it).
 """
 
 from __future__ import annotations
@@ -127,8 +128,14 @@ def run_ranks(
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+    failed_first = None
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if failed_first is None:
+            failed_first = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+            if failed_first is not None:
+                # The others are likely stuck in a collective with the dead rank: don't wait for gloo's timeout.
+                deadline = min(deadline, time.monotonic() + 10.0)
+        time.sleep(0.05)
     hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
     for rank in hung:
         procs[rank].kill()
@@ -140,6 +147,10 @@ def run_ranks(
         err = out / f"rank{rank}.err"
         if err.exists():
             problems.append(f"--- rank {rank} raised:\n{err.read_text()}")
+        elif rank in hung and failed_first is not None:
+            problems.append(
+                f"--- rank {rank} was still running 10 s after rank {failed_first} failed; killed"
+            )
         elif rank in hung:
             problems.append(f"--- rank {rank} hung for more than {timeout:.0f} s and was killed")
         elif p.exitcode != 0:
