@@ -295,10 +295,19 @@ def test_golden_v1_shard_still_loads():
     """A shard written by schema version 1, kept forever: readers must keep loading it.
 
     Written from nn.Sequential(nn.Linear(3, 2), nn.ReLU()) with weight [[1, -1, .5], [0, 2, -1]], bias
-    [.5, -.5], on x = [[1, 2, 3], [-1, 0, 1]] (tl.trace(..., source=False)). If this fails after a schema
-    change, bump SCHEMA_VERSION and teach the reader the old layout -- do not regenerate the file.
+    [.5, -.5], on x = [[1, 2, 3], [-1, 0, 1]] (tl.trace(..., source=False)). Fields added to the schema since
+    read as "unknown" (listed in metadata["filled_columns"]); any other layout change must bump
+    SCHEMA_VERSION and teach the reader the old layout -- do not regenerate the file.
     """
     trace = tl.load(GOLDEN_V1)
+    with h5py.File(GOLDEN_V1) as f:
+        newer = [
+            f"{table}/{fl.name}"
+            for table, fields in (("ops", OP_FIELDS), ("modules", MODULE_CALL_FIELDS))
+            for fl in fields
+            if fl.name not in list(f[table].attrs["column-order"])
+        ]
+    assert trace.metadata.get("filled_columns", []) == newer
     assert (trace.rank, trace.world_size, trace.step) == (0, 1, 0)
     assert trace.metadata["complete"] is True
     assert [op.label for op in trace][:3] == ["t_1", "addmm_1", "relu_1"]
@@ -313,3 +322,13 @@ def test_golden_v1_shard_still_loads():
     assert trace.module_table["address"] == ["", "0", "1"]
     assert torch.equal(trace.module("1").out, torch.tensor([[1.0, 0.5], [0.0, 0.0]]))
     assert trace["relu_1"].parents == (addmm.index,)
+
+
+def test_field_newer_than_the_shard_reads_as_unknown(good_shard):
+    with h5py.File(good_shard, "r+") as f:
+        del f["ops/flops"]
+        order = [name for name in f["ops"].attrs["column-order"] if name != "flops"]
+        f["ops"].attrs["column-order"] = np.array(order, dtype=object)
+    trace = tl.load(good_shard)
+    assert trace.metadata["filled_columns"] == ["ops/flops"]
+    assert set(trace.columns["flops"]) == {-1} and len(trace.columns["flops"]) == len(trace)

@@ -148,6 +148,8 @@ def read_column(group: h5py.Group, field: Field, n: int, strings: list[str] | No
     """Read column ``field`` of ``group`` back into the in-memory representation; checks its length is ``n``.
     ``strings``: the shard's string table, for str columns stored as codes."""
     if field.name not in group:
+        if field.since > int(group.file.attrs.get("schema_version", 1)):
+            return [field.default] * n  # written before the field existed
         raise ValueError(f"column {field.name!r} is missing from {group.name}")
     node = group[field.name]
     kind = field.kind
@@ -233,10 +235,23 @@ def write_table(
     return group
 
 
+# What a column written before its field existed reads as: the schema's "none / unknown" spellings.
+_MISSING = {"int": -1, "float": float("nan"), "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
+
+
 def read_table(
-    parent: h5py.Group, name: str, fields: tuple[Field, ...], *, strings: list[str] | None = None
+    parent: h5py.Group,
+    name: str,
+    fields: tuple[Field, ...],
+    *,
+    strings: list[str] | None = None,
+    filled: list[str] | None = None,
 ) -> dict[str, list]:
     """Read group ``name`` written by :func:`write_table` back into a dict of columns in schema order.
+
+    A field the writer's schema did not have yet (absent from the group's ``column-order``) reads as its
+    kind's "unknown" value (-1, NaN, False, '', ()) and its ``table/field`` name is appended to ``filled``; a
+    field the writer listed but whose node is gone is corruption and raises.
 
     ``strings``: the already read string table the group's ``strings`` attribute names (read here if None).
     """
@@ -246,9 +261,18 @@ def read_table(
     if not isinstance(group, h5py.Group) or group.attrs.get("encoding-type") != "table":
         raise ValueError(f"{group.name} is not a table (encoding-type attribute 'table' missing)")
     n = int(group.attrs["n-rows"])
-    if n == 0:
-        return {f.name: [] for f in fields}
+    written = set(np.asarray(group.attrs.get("column-order", ()), dtype=object).tolist())
     path = group.attrs.get("strings")
-    if path is not None and strings is None:
+    if n and path is not None and strings is None:
         strings = group.file[path].asstr()[()].tolist()
-    return {f.name: read_column(group, f, n, strings if path is not None else None) for f in fields}
+    columns: dict[str, list] = {}
+    for f in fields:
+        if f.name not in written and f.name not in group:
+            columns[f.name] = [_MISSING[f.kind]] * n
+            if filled is not None:
+                filled.append(f"{name}/{f.name}")
+        elif n == 0:
+            columns[f.name] = []
+        else:
+            columns[f.name] = read_column(group, f, n, strings if path is not None else None)
+    return columns

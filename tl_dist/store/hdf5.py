@@ -380,13 +380,16 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
             failed_op = json.loads(root.attrs["failed_op"])
             # The shared string table, read once for all tables (absent only in a shard without strings).
             strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
-            columns = read_table(root, "ops", OP_FIELDS, strings=strings)
-            module_table = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings)
-            collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
+            filled: list[str] = []  # columns of fields newer than the shard's writer
+            columns = read_table(root, "ops", OP_FIELDS, strings=strings, filled=filled)
+            module_table = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings, filled=filled)
+            collective_table = read_table(
+                root, "collectives", COLLECTIVE_FIELDS, strings=strings, filled=filled
+            )
             out_of = read_table(root, "output_of", _OUTPUT_OF_FIELDS, strings=strings)
             out_trees, output = _read_trees(root, strings)
             stats_table = (
-                read_table(root, "stats", _STAT_FIELDS, strings=strings)
+                read_table(root, "stats", _STAT_FIELDS, strings=strings, filled=filled)
                 if _STAT_FIELDS and "stats" in root
                 else None
             )
@@ -399,6 +402,8 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to decode is a format problem of this file
         raise ShardFormatError(f"{path}: corrupt or incomplete shard: {type(exc).__name__}: {exc}") from exc
+    if filled:
+        metadata["filled_columns"] = filled
     trace = Trace(
         columns,
         module_table,
