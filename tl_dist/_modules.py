@@ -33,6 +33,7 @@ class ModuleTracker:
         self._stack: list[tuple[int, int]] = []  # (id(module), call row)
         self.current_call = -1
         self.current_address = ""
+        self.current_source = ""
         self.address_stack: tuple[str, ...] = ()
         self._root_names: set[str] = set()
         for prefix, root in roots:
@@ -99,6 +100,8 @@ class ModuleTracker:
         calls["end_op"].append(first)
         calls["out_ops"].append(())
         calls["out_pos"].append(())
+        locate = self._recorder._source
+        calls["source"].append(locate.call_site() if locate is not None else "")
         self._stack.append((id(module), row))
         self._set_current()
 
@@ -123,10 +126,12 @@ class ModuleTracker:
             row = self._stack[-1][1]
             self.current_call = row
             self.current_address = self.calls["address"][row]
+            self.current_source = self.calls["source"][row]
             self.address_stack = tuple(self.calls["address"][r] for _, r in self._stack)
         else:
             self.current_call = -1
             self.current_address = ""
+            self.current_source = ""
             self.address_stack = ()
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ._modules import ModuleTracker
 from ._opinfo import _CACHE as _OPINFO_CACHE
-from ._opinfo import mutated_tensors, op_info
+from ._opinfo import flop_count, mutated_tensors, op_info
 from .collectives import CollectiveLog
 from .schema import OP_FIELDS, field_names
 from .training import TrainingState, backward_link
@@ -29,6 +29,7 @@ _TAG = "_tl_src"
 
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 _OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
+_MODULE_MACHINERY = torch.nn.modules.module.__file__
 _FIELD_INDEX = {name: i for i, name in enumerate(field_names(OP_FIELDS))}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _DEVICE_NAMES: dict[torch.device, str] = {}
@@ -70,31 +71,64 @@ class RowView:
 
 
 class SourceLocator:
-    """Finds file:line of the first frame outside torch and tl_dist, caching per file and per line."""
+    """Finds file:line of the user code behind the current op or module call.
 
-    def __init__(self) -> None:
-        self._internal: dict[Any, bool] = {}  # code object -> belongs to torch / tl_dist
+    Walks outward from the caller, skipping torch's and tl_dist's own frames. It stops at the first frame of
+    ``nn.Module``'s call machinery: everything outside that frame is the enclosing module call, whose call site
+    was located once when the call started. So the walk per op is only as deep as the code between the op and
+    its innermost module (a few frames), however deeply modules nest.
+    """
+
+    _USER, _INTERNAL, _MODULE_CALL = 0, 1, 2
+
+    def __init__(self, modules: ModuleTracker) -> None:
+        self._modules = modules
+        self._kinds: dict[Any, int] = {}  # code object -> _USER / _INTERNAL / _MODULE_CALL
         self._names: dict[tuple[Any, int], str] = {}  # (code, bytecode offset) -> "file:line"
 
-    def __call__(self) -> str:
-        frame = sys._getframe(2)
-        internal = self._internal
+    def _kind(self, code: Any) -> int:
+        filename = code.co_filename
+        if filename == _MODULE_MACHINERY:
+            kind = self._MODULE_CALL
+        elif filename.startswith((_TORCH_DIR, _OWN_DIR, "<frozen")):
+            kind = self._INTERNAL
+        else:
+            kind = self._USER
+        self._kinds[code] = kind
+        return kind
+
+    def _walk(self, frame: Any, enclosing: str) -> str:
+        kinds = self._kinds
         while frame is not None:
             code = frame.f_code
-            skip = internal.get(code)
-            if skip is None:
-                filename = code.co_filename
-                skip = internal[code] = filename.startswith((_TORCH_DIR, _OWN_DIR)) or filename.startswith(
-                    "<"
-                )
-            if not skip:
+            kind = kinds.get(code)
+            if kind is None:
+                kind = self._kind(code)
+            if kind == 0:
                 key = (code, frame.f_lasti)
                 name = self._names.get(key)
                 if name is None:
                     name = self._names[key] = f"{code.co_filename}:{frame.f_lineno}"
                 return name
+            if kind == 2:
+                return enclosing
             frame = frame.f_back
         return ""
+
+    def __call__(self) -> str:
+        """Source of the op being dispatched (called from Recorder.on_op)."""
+        return self._walk(sys._getframe(2), self._modules.current_source)
+
+    def call_site(self) -> str:
+        """Source of the module call starting now (called from the module pre-hook, before it is pushed)."""
+        frame = sys._getframe(2)
+        kinds = self._kinds
+        while frame is not None:  # step out of this call's own machinery frames
+            kind = kinds.get(frame.f_code)
+            if (self._kind(frame.f_code) if kind is None else kind) != 2:
+                break
+            frame = frame.f_back
+        return self._walk(frame, self._modules.current_source)
 
 
 class Recorder:
@@ -126,8 +160,8 @@ class Recorder:
         ] = {}  # storage -> (op, first byte, end byte) written
         self._pre_write: tuple[int, dict[int, Tensor]] | None = None  # see _before_write
         self._label_counts: dict[str, int] = {}
-        self._source = SourceLocator() if source else None
         self.modules = ModuleTracker(self, roots)
+        self._source = SourceLocator(self.modules) if source else None
         self.params = self.modules.params
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
@@ -243,7 +277,7 @@ class Recorder:
             kind = info.kind if info.kind == "collective" else "other"
         flops = 0
         if info.flop_fn is not None:
-            flops = int(info.flop_fn(*args, **kwargs, out_val=out))
+            flops = flop_count(info, args, kwargs, out)
         modules = self.modules
         row = (
             index,

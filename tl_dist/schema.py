@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Adding a field needs no new version: readers fill columns a file predates with the kind's "unknown" value
+# (see store.codecs.read_table). The version changes only when an existing field changes meaning or encoding.
 SCHEMA_VERSION = 1
 
 KINDS = ("int", "float", "bool", "str", "ints", "strs", "shapes")
@@ -98,6 +100,7 @@ MODULE_CALL_FIELDS: tuple[Field, ...] = (
         "out_ops", "ints", "For each leaf of the call's output: the op that produced it (-1: not an op's)."
     ),
     Field("out_pos", "ints", "For each leaf of the call's output: which of that op's outputs it is."),
+    Field("source", "str", "file:line of the user code that called the module ('' when not recorded)."),
 )
 
 # One row per collective op (the op itself is also a row of the op table, at `op`). Filled by

@@ -148,8 +148,6 @@ def read_column(group: h5py.Group, field: Field, n: int, strings: list[str] | No
     """Read column ``field`` of ``group`` back into the in-memory representation; checks its length is ``n``.
     ``strings``: the shard's string table, for str columns stored as codes."""
     if field.name not in group:
-        if field.since > int(group.file.attrs.get("schema_version", 1)):
-            return [field.default] * n  # written before the field existed
         raise ValueError(f"column {field.name!r} is missing from {group.name}")
     node = group[field.name]
     kind = field.kind
