@@ -181,7 +181,7 @@ def _flat(value: Any) -> list[Tensor]:
 
 
 class _Group:
-    __slots__ = ("pg", "ranks", "name", "desc", "backend")
+    __slots__ = ("pg", "ranks", "name", "desc", "backend", "_by_device")
 
     def __init__(self, pg: Any) -> None:
         import torch.distributed as dist
@@ -198,6 +198,18 @@ class _Group:
             self.backend = pg._get_backend_name()
         except RuntimeError:
             self.backend = ""
+        self._by_device: dict[str, str] = {}
+
+    def backend_for(self, device_type: str) -> str:
+        """The backend serving tensors of ``device_type`` (a group made with "cpu:gloo,cuda:nccl" has two)."""
+        name = self._by_device.get(device_type)
+        if name is None:
+            try:
+                name = self.pg._get_backend(torch.device(device_type)).name()
+            except (RuntimeError, AttributeError):
+                name = self.backend
+            self._by_device[device_type] = name
+        return name
 
 
 class CollectiveLog:
@@ -288,16 +300,19 @@ class CollectiveLog:
             group_arg = comm.arg("group_name", args, kwargs)
         group = self._group(group_arg)
         ranks = group.ranks if group is not None else ()
-        seq = -1
-        if group is not None:
-            if not (spec.func in P2P and group.backend == "nccl"):
-                seq = int(group.pg._get_sequence_number_for_group())
 
         inputs = _flat(comm.arg(spec.inputs, args, kwargs))
         if spec.outputs == "return":
             data_outs = _flat(out)
         else:
             data_outs = _flat(comm.arg(spec.outputs, args, kwargs))
+        first = inputs[0] if inputs else (data_outs[0] if data_outs else None)
+        backend = ""
+        if group is not None:
+            backend = group.backend_for(first.device.type) if first is not None else group.backend
+        seq = -1
+        if group is not None and not (spec.func in P2P and backend == "nccl"):
+            seq = int(group.pg._get_sequence_number_for_group())
         if spec.func == "barrier":
             inputs, data_outs = [], []  # the barrier's tensor is a placeholder, not data
         if data_outs and data_outs is not outs and [id(t) for t in data_outs] != [id(t) for t in outs]:
@@ -308,7 +323,6 @@ class CollectiveLog:
             reduce_op = _REDUCE_NAMES.get(int(reduce_op.op()), str(reduce_op.op()))
         root = _global(ranks, comm.arg(spec.root, args, kwargs, -1))
         peer = _global(ranks, comm.arg(spec.peer, args, kwargs, -1))
-        first = inputs[0] if inputs else (data_outs[0] if data_outs else None)
         in_numel = sum(t.numel() for t in inputs)
         is_async = comm.is_async(args, kwargs)
         bucket = -1
@@ -338,7 +352,7 @@ class CollectiveLog:
                 -1,
                 "issued",
                 bucket,
-                group.backend if group is not None else "",
+                backend,
             ]
         )
         self._watch(row_i, comm, out, first, t1)
