@@ -18,9 +18,11 @@ What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
 - ``torch.distributed`` calls dispatch ``c10d.*`` ops: ``allreduce_``, ``allgather_``, ``_allgather_base_``
   (all_gather_into_tensor), ``reduce_scatter_``, ``_reduce_scatter_base_`` (reduce_scatter_tensor),
   ``broadcast_``, ``reduce_``, ``gather_``, ``scatter_``, ``alltoall_``, ``alltoall_base_``
-  (all_to_all_single), ``barrier``, ``send``, ``recv_`` (isend/irecv use the same two ops). The process group
+  (all_to_all_single), ``barrier``, ``send``, ``recv_`` (``dist.send`` is ``isend`` + ``wait()``: the same
+  op; the Python caller tells them apart). The process group
   and the reduce op arrive as TorchScript objects (``ProcessGroup.unbox``; ``ReduceOp`` exposes ``op()``);
-  roots and peers are group ranks. Ops with ``async_op`` get ``False`` from the blocking Python API.
+  roots and peers are group ranks. Ops with ``async_op`` get ``False`` from the blocking Python API. Gloo's
+  reduce_scatter and p2p Works have no future; reduce_scatter's never reports ``is_completed()`` either.
 - Functional collectives dispatch ``_c10d_functional.*`` (group by name) followed by ``_wrap_tensor_autograd``;
   their ``wait_tensor`` reaches the mode only when called from user code (``AsyncCollectiveTensor.wait()``),
   not when the AsyncCollectiveTensor waits inside another op's dispatch.
@@ -30,8 +32,8 @@ What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
   one bucket; buckets are rebuilt (broadcasts inside DDP's forward) on the second.
 - FSDP2 (``fully_shard``): ``fsdp.all_gather_copy_in`` then ``c10d._allgather_base_``; in backward
   ``fsdp.chunk_cat`` then ``c10d._reduce_scatter_base_``.
-- ``ProcessGroup._get_sequence_number_for_group()`` read right after issue is the collective's number (from 1)
-  and equal on every member; on gloo send and recv advance it on both peers. NB: ProcessGroupNCCL counts p2p
+- ``ProcessGroup._get_sequence_number_for_group()`` read right after issue is the collective's number (from 1;
+  before issue it still holds the previous one) and equal on every member; on gloo send and recv advance it on both peers. NB: ProcessGroupNCCL counts p2p
   separately (``seqP2P_``) and reports the collective counter, so p2p rows on NCCL get ``seq == -1``.
 """
 
