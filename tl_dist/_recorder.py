@@ -9,6 +9,7 @@ output, so identity survives ``id()`` reuse and in-place ops simply re-tag their
 from __future__ import annotations
 
 import sys
+import sysconfig
 import time
 from typing import Any
 
@@ -30,6 +31,11 @@ _TAG = "_tl_src"
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 _OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
 _MODULE_MACHINERY = torch.nn.modules.module.__file__
+# Frames that are never "the user's code": torch and tl_dist themselves, the standard library (contextlib and
+# functools wrappers around torch calls), and typing_extensions' @deprecated wrapper torch puts on some APIs.
+_INTERNAL_DIRS = (_TORCH_DIR, _OWN_DIR, "<frozen")
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + "/"
+_TYPING_EXTENSIONS = getattr(sys.modules.get("typing_extensions"), "__file__", None)
 _FIELD_INDEX = {name: i for i, name in enumerate(field_names(OP_FIELDS))}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _DEVICE_NAMES: dict[torch.device, str] = {}
@@ -90,7 +96,11 @@ class SourceLocator:
         filename = code.co_filename
         if filename == _MODULE_MACHINERY:
             kind = self._MODULE_CALL
-        elif filename.startswith((_TORCH_DIR, _OWN_DIR, "<frozen")):
+        elif (
+            filename.startswith(_INTERNAL_DIRS)
+            or filename == _TYPING_EXTENSIONS
+            or (filename.startswith(_STDLIB_DIR) and "-packages/" not in filename)
+        ):
             kind = self._INTERNAL
         else:
             kind = self._USER

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .arm import open_window as _open_window
 from ._recorder import Recorder
+from .arm import open_window as _open_window
 from .errors import TlDistError
 from .selectors import Selector
 from .trace import Trace

@@ -377,6 +377,7 @@ def log_backward(trace: Trace, loss: Tensor) -> Trace:
         training.open = False
         rec.phase = "forward"
     trace.columns = rec.columns()
+    trace.collective_table = rec.comm.columns(trace.columns)  # DDP's bucket all-reduces run in backward
     trace._labels = None
     trace._children = None
     trace.grads = training.grads
