@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_flatten
 
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
+_LEAF_SPEC = tree_flatten(torch.empty(0))[1]
+
 if TYPE_CHECKING:
     from ._recorder import Recorder
 
@@ -30,7 +32,7 @@ class ModuleTracker:
         self.calls = empty_columns(MODULE_CALL_FIELDS)
         self.out_trees: dict[int, Any] = {}  # call row -> (treespec, leaves) to rebuild the output structure
         self._call_counts: dict[str, int] = {}
-        self._stack: list[tuple[int, int]] = []  # (id(module), call row)
+        self._stack: list[tuple[int, int, tuple[str, ...]]] = []  # (id(module), call row, address stack)
         self.current_call = -1
         self.current_address = ""
         self.current_source = ""
@@ -102,20 +104,23 @@ class ModuleTracker:
         calls["out_pos"].append(())
         locate = self._recorder._source
         calls["source"].append(locate.call_site() if locate is not None else "")
-        self._stack.append((id(module), row))
+        self._stack.append((id(module), row, self.address_stack + (address,)))
         self._set_current()
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack
-        if not stack or all(mid != id(module) for mid, _ in stack):
+        if not stack or all(entry[0] != id(module) for entry in stack):
             return
         while stack:
-            mid, row = stack.pop()
+            mid, row, _ = stack.pop()
             self.calls["end_op"][row] = self._recorder.n_ops
             if mid == id(module):
                 break
         self._set_current()
-        leaves, spec = tree_flatten(output)
+        if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
+            leaves, spec = [output], _LEAF_SPEC
+        else:
+            leaves, spec = tree_flatten(output)
         out_ops, out_pos = self._recorder.module_output(self.calls["address"][row], leaves)
         self.calls["out_ops"][row] = out_ops
         self.calls["out_pos"][row] = out_pos
@@ -123,11 +128,10 @@ class ModuleTracker:
 
     def _set_current(self) -> None:
         if self._stack:
-            row = self._stack[-1][1]
+            _, row, self.address_stack = self._stack[-1]
             self.current_call = row
             self.current_address = self.calls["address"][row]
             self.current_source = self.calls["source"][row]
-            self.address_stack = tuple(self.calls["address"][r] for _, r in self._stack)
         else:
             self.current_call = -1
             self.current_address = ""
@@ -137,7 +141,7 @@ class ModuleTracker:
     def close(self) -> None:
         """Ends calls still open (the forward raised) at the current op count; untags the modules' tensors."""
         while self._stack:
-            _, row = self._stack.pop()
+            _, row, _ = self._stack.pop()
             self.calls["end_op"][row] = self._recorder.n_ops
         self._set_current()
         # An in-place op on a parameter or buffer (a step counter's add_, BatchNorm's running stats, an
@@ -149,7 +153,7 @@ class ModuleTracker:
                 continue
             for t in (*mod._parameters.values(), *mod._buffers.values()):
                 tag = getattr(t, "_tl_src", None)
-                if tag is not None and tag[0] is token:
+                if tag is not None and tag[0] == token:
                     del t._tl_src
 
     def live_module(self, address: str) -> torch.nn.Module | None:

@@ -8,6 +8,7 @@ output, so identity survives ``id()`` reuse and in-place ops simply re-tag their
 
 from __future__ import annotations
 
+import itertools
 import sys
 import sysconfig
 import time
@@ -27,6 +28,9 @@ _perf_ns = time.perf_counter_ns
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _TAG = "_tl_src"
+# Row values are plain tuples of ints and strs (shapes as tuples, not torch.Size; an int capture token in tags)
+# so that CPython's GC untracks them: a long capture then leaves no pile of containers for a full collection.
+_TOKENS = itertools.count(1)
 
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 _OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
@@ -156,7 +160,7 @@ class Recorder:
     ) -> None:
         self.rows: list[tuple] = []
         self.n_ops = 0
-        self.token = object()
+        self.token = next(_TOKENS)
         self.phase = "forward"
         self.save_all = save is True
         self.save_selector = None if save is True or save is None else save
@@ -208,7 +212,7 @@ class Recorder:
         writes = self._writes
         for t in tensors:
             tag = getattr(t, _TAG, None)
-            if tag is not None and tag[0] is token:
+            if tag is not None and tag[0] == token:
                 parents[tag[1]] = None
                 if writes and (writer := self._written_since(t, tag[1])) >= 0:
                     # An alias of t was written in place after t was made (v = y.view(..); y.relu_(); v * 2):
@@ -270,11 +274,11 @@ class Recorder:
             dtype = _DTYPE_NAMES.get(first.dtype) or _dtype_name(first.dtype)
             device = _DEVICE_NAMES.get(first.device) or _device_name(first.device)
             if len(outs) == 1:
-                out_shapes = (first.shape,)
+                out_shapes = (tuple(first.shape),)
                 out_bytes = first.nelement() * first.element_size()
                 setattr(first, _TAG, (token, index, 0))
             else:
-                out_shapes = tuple([o.shape for o in outs])
+                out_shapes = tuple([tuple(o.shape) for o in outs])
                 out_bytes = 0
                 for pos, o in enumerate(outs):
                     out_bytes += o.nelement() * o.element_size()
@@ -304,7 +308,7 @@ class Recorder:
             dtype,
             device,
             out_bytes,
-            tuple([t.shape for t in tensors]),
+            tuple([tuple(t.shape) for t in tensors]),
             tuple(parents),
             inplace,
             flops,
@@ -418,7 +422,7 @@ class Recorder:
             if base is None or any(base is o for o in outs) or any(base is o for o in extra):
                 continue
             tag = getattr(base, _TAG, None)
-            if tag is not None and tag[0] is token:
+            if tag is not None and tag[0] == token:
                 extra.append(base)
         return outs + extra if extra else outs
 
@@ -456,7 +460,7 @@ class Recorder:
         poss: list[int] = []
         for leaf in leaves:
             tag = getattr(leaf, _TAG, None) if isinstance(leaf, Tensor) else None
-            if tag is None or tag[0] is not token:
+            if tag is None or tag[0] != token:
                 ops.append(-1)
                 poss.append(-1)
                 continue

@@ -411,7 +411,7 @@ class CollectiveLog:
 
     def _on_wait(self, recorder: Any, args: tuple, t1: int) -> None:
         tag = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
-        if tag is not None and tag[0] is recorder.token:
+        if tag is not None and tag[0] == recorder.token:
             row_i = self._functional.get(tag[1])
             if row_i is not None:
                 self._done.setdefault(row_i, t1)
