@@ -80,6 +80,12 @@ class RowView:
         return tuple(shapes[0]) if shapes else None
 
 
+# Shared by all captures (code objects outlive them): code object -> SourceLocator._USER / _INTERNAL /
+# _MODULE_CALL, and (code, bytecode offset) -> "file:line".
+_CODE_KINDS: dict[Any, int] = {}
+_SOURCE_NAMES: dict[tuple[Any, int], str] = {}
+
+
 class SourceLocator:
     """Finds file:line of the user code behind the current op or module call.
 
@@ -93,8 +99,8 @@ class SourceLocator:
 
     def __init__(self, modules: ModuleTracker) -> None:
         self._modules = modules
-        self._kinds: dict[Any, int] = {}  # code object -> _USER / _INTERNAL / _MODULE_CALL
-        self._names: dict[tuple[Any, int], str] = {}  # (code, bytecode offset) -> "file:line"
+        self._kinds = _CODE_KINDS
+        self._names = _SOURCE_NAMES
 
     def _kind(self, code: Any) -> int:
         filename = code.co_filename
