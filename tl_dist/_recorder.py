@@ -181,6 +181,7 @@ class Recorder:
         self._pre_write: tuple[int, dict[int, Tensor]] | None = None  # see _before_write
         self._label_counts: dict[str, int] = {}
         self.modules = ModuleTracker(self, roots)
+        self._backward_sources: dict[int, str] = {}  # autograd graph task -> where backward() was called
         self._source = SourceLocator(self.modules) if source else None
         self.params = self.modules.params
         self.cuda_events: list[tuple[int, Any, Any]] = []
@@ -299,14 +300,25 @@ class Recorder:
         if info.flop_fn is not None:
             flops = flop_count(info, args, kwargs, out)
         modules = self.modules
+        task = _graph_task_id()
+        if task == -1:
+            phase, fwd_op = self.phase, -1
+            source = self._source() if self._source is not None else ""
+        else:
+            phase, fwd_op = "backward", backward_link(token)
+            # Every op of one backward pass has the same Python stack above the engine: the .backward() call.
+            source = self._backward_sources.get(task)
+            if source is None:
+                source = self._source() if self._source is not None else ""
+                self._backward_sources[task] = source
         row = (
             index,
             f"{info.func}_{n}",
             info.func,
             info.aten,
             kind,
-            self.phase if _graph_task_id() == -1 else "backward",
-            -1 if _graph_task_id() == -1 else backward_link(token),
+            phase,
+            fwd_op,
             modules.current_address,
             modules.address_stack,
             modules.current_call,
@@ -320,7 +332,7 @@ class Recorder:
             flops,
             t0,
             t1 - t0,
-            self._source() if self._source is not None else "",
+            source,
             tuple(param_names),
         )
         self.rows.append(row)
