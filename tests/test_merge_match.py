@@ -206,6 +206,26 @@ def test_straggler_named_first_and_waits_reflect_sleep(tmp_path):
     assert tb.loc[0, "wait_ns"] == 4 * sleep and tb.loc[0, "comm_ns"] > tb.loc[1, "comm_ns"]
 
 
+def test_overlapping_async_waits_count_once(tmp_path):
+    # DDP-style: rank 1 issues three async bucket all-reduces 100 ms after rank 0, all in flight together.
+    # Rank 0 waited 100 ms of wall time, not 3 x 100 ms.
+    late = 100_000_000
+    base = 10**12
+    done = base + late + 5_000_000
+    s0 = [coll(source=src, issue=base + k, complete=done, is_async=True) for k, src in enumerate((A, B, C))]
+    s1 = [
+        coll(source=src, issue=base + late + k, complete=done, is_async=True)
+        for k, src in enumerate((A, B, C))
+    ]
+    g = _merge(tmp_path, [s0, s1])
+    strag = g.stragglers().set_index("rank")
+    # wait intervals [base + k, base + late + k] for k = 0, 1, 2: their union is late + 2 ns (summed: 3 x late)
+    assert strag.loc[0, "wait_ns"] == late + 2 and strag.loc[1, "caused_wait_ns"] == late + 2
+    assert strag.loc[1, "last_count"] == 3 and strag.loc[1, "wait_ns"] == 0
+    tb = g.time_breakdown().set_index("rank")
+    assert tb.loc[0, "wait_ns"] == late + 2
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(tl.MergeError, match="holds no shards"):
         merge_ranks(tmp_path)

@@ -37,21 +37,48 @@ def collective_timing(j: Joined, offsets: dict[int, int]) -> dict[str, Any]:
     }
 
 
+def union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Total length of the union of [start, end) intervals: overlapping ones count once."""
+    total = 0
+    end = None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
 def straggler_rows(joined: list[Joined], timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (step, rank): waits it caused others (as last arriver), times it was last, and its own wait."""
-    acc: dict[tuple[int, int], dict[str, Any]] = {}
+    """Per (step, rank): the time others waited for it (as last arriver), how often it was last, and its own
+    wait. Waits are intervals [own arrival, last arrival]; overlapping ones (async collectives such as DDP's
+    buckets in flight together) count once per waiting rank."""
+    own: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    caused: dict[tuple[int, int], dict[int, list[tuple[int, int]]]] = {}
+    last_count: dict[tuple[int, int], int] = {}
     for j, t in zip(joined, timings):
         if j.p2p or len(j.entries) < 2 or j.verdict == "not_completed":
             continue
-        for r, w in t["waits"].items():
-            row = acc.setdefault((j.step, r), {"caused_wait_ns": 0, "last_count": 0, "wait_ns": 0})
-            row["wait_ns"] += w
         last = t["last_rank"]
+        end = t["start_ns"] + t["skew_ns"]
+        for r, w in t["waits"].items():
+            own.setdefault((j.step, r), []).append((end - w, end))
+            if last >= 0 and r != last:
+                caused.setdefault((j.step, last), {}).setdefault(r, []).append((end - w, end))
         if last >= 0:
-            row = acc[(j.step, last)]
-            row["caused_wait_ns"] += sum(t["waits"].values())
-            row["last_count"] += 1
-    return [{"step": s, "rank": r, **v} for (s, r), v in acc.items()]
+            last_count[(j.step, last)] = last_count.get((j.step, last), 0) + 1
+    return [
+        {
+            "step": s,
+            "rank": r,
+            "caused_wait_ns": sum(union_ns(iv) for iv in caused.get((s, r), {}).values()),
+            "last_count": last_count.get((s, r), 0),
+            "wait_ns": union_ns(intervals),
+        }
+        for (s, r), intervals in own.items()
+    ]
 
 
 def time_breakdown(step: int, rank: int, trace: Trace, waits_ns: int) -> dict[str, Any]:
@@ -62,7 +89,7 @@ def time_breakdown(step: int, rank: int, trace: Trace, waits_ns: int) -> dict[st
     overlapping collectives (DDP buckets in flight together) count once. ``compute_ns`` sums every other op's
     duration. ``window_ns`` spans first op start to last op end.
 
-    NB: ``wait_ns`` sums per-collective waits; async collectives that wait at the same time each count.
+    ``wait_ns`` (from :func:`straggler_rows`) is the union of the rank's wait intervals.
     """
     cols = trace.columns
     kinds, durations, starts = cols["kind"], cols["duration_ns"], cols["start_ns"]
@@ -79,15 +106,7 @@ def time_breakdown(step: int, rank: int, trace: Trace, waits_ns: int) -> dict[st
             intervals.append(async_ops.get(i, (starts[i], starts[i] + d)))
         else:
             compute += d
-    comm = 0
-    end = None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            comm += b - a
-            end = b
-        elif b > end:
-            comm += b - end
-            end = b
+    comm = union_ns(intervals)
     window = (max(s + d for s, d in zip(starts, durations)) - min(starts)) if starts else 0
     return {
         "step": step,
