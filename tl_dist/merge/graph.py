@@ -127,8 +127,9 @@ class MergedTrace:
     def stragglers(self) -> Any:
         """Ranks ordered, per step, by how long the others waited for them (most first).
 
-        Columns: step, rank, caused_wait_ns (others' wait summed over collectives this rank arrived at last),
-        last_count (collectives it arrived at last), wait_ns (its own wait for others).
+        Columns: step, rank, caused_wait_ns (others' wait over the collectives this rank arrived at last),
+        last_count (collectives it arrived at last), wait_ns (its own wait for others). Waits are unions of
+        intervals, so async collectives in flight together count their common wait once.
 
         Example:
             >>> g.stragglers().groupby("step").head(1)   # the worst straggler of each step
@@ -145,10 +146,9 @@ class MergedTrace:
         """Per (step, rank): ops, compute_ns, comm_ns, wait_ns, window_ns (see ``timing.time_breakdown``)."""
         import pandas as pd
 
-        waits: dict[tuple[int, int], int] = {}
-        for j, t in zip(self.joined, self.timings):
-            for r, w in t["waits"].items():
-                waits[(j.step, r)] = waits.get((j.step, r), 0) + w
+        waits = {
+            (row["step"], row["rank"]): row["wait_ns"] for row in straggler_rows(self.joined, self.timings)
+        }
         rows = [
             time_breakdown(s, r, trace, waits.get((s, r), 0))
             for (s, r), trace in sorted(self._traces.items())
