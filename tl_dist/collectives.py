@@ -388,8 +388,9 @@ class CollectiveLog:
         self._polled.append((row_i, work, fut))
         done = self._done
 
-        def _on_done(_fut: Any, row_i: int = row_i) -> None:
-            done.setdefault(row_i, _perf_ns())
+        def _on_done(fut_: Any, row_i: int = row_i) -> None:
+            if not _failed(fut_):
+                done.setdefault(row_i, _perf_ns())
 
         fut.add_done_callback(_on_done)
 
@@ -402,7 +403,7 @@ class CollectiveLog:
         for pos, t in enumerate(data_outs):
             setattr(t, _TAG, (token, index, pos))
         row = list(recorder.rows[index])
-        row[_FIELD_INDEX["out_shapes"]] = tuple(t.shape for t in data_outs)
+        row[_FIELD_INDEX["out_shapes"]] = tuple([tuple(t.shape) for t in data_outs])
         row[_FIELD_INDEX["dtype"]] = _dtype_name(data_outs[0].dtype)
         row[_FIELD_INDEX["device"]] = _device_name(data_outs[0].device)
         row[_FIELD_INDEX["out_bytes"]] = sum(t.numel() * t.element_size() for t in data_outs)
@@ -427,6 +428,8 @@ class CollectiveLog:
                 finished = work.is_completed() or (fut is not None and fut.done())
             except RuntimeError:  # the work failed: it never completed
                 continue
+            if finished and fut is not None and fut.done() and _failed(fut):
+                continue  # finished with an error (a timeout, a dead peer): it never completed
             if not finished:
                 still.append((row_i, work, fut))
             elif row_i in blocking:
@@ -475,6 +478,15 @@ class CollectiveLog:
             for name, value in zip(names, row):
                 cols[name].append(value)
         return cols
+
+
+def _failed(fut: Any) -> bool:
+    """Whether a done Work future finished with an error rather than a result (its value() raises)."""
+    try:
+        fut.value()
+    except Exception:  # noqa: BLE001 - any error means the collective did not complete
+        return True
+    return False
 
 
 def _first_reader_ends(
