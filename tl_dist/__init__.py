@@ -8,13 +8,12 @@ Example:
 
 from .arm import arm, disarm, should_capture
 from .capture import Capture, capture, trace
-from .collectives import Collective
 from .errors import MergeError, SchemaError, ShardFormatError, TlDistError, ValidationError
 from .merge import MergedTrace, load_merged, merge_ranks
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
 from .store import ShardOptions, load
-from .trace import ModuleCall, Op, Trace
+from .trace import Collective, ModuleCall, Op, Trace
 
 __all__ = [
     "Capture",

@@ -44,14 +44,11 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .schema import COLLECTIVE_FIELDS, field_names
-
-if TYPE_CHECKING:
-    from .trace import Trace
 
 Tensor = torch.Tensor
 _perf_ns = time.perf_counter_ns
@@ -571,41 +568,3 @@ def _global(ranks: tuple[int, ...], group_rank: Any) -> int:
     if group_rank is None or group_rank < 0:
         return -1
     return ranks[group_rank] if group_rank < len(ranks) else -1
-
-
-class Collective:
-    """One collective of a trace: a view over a row of ``trace.collective_table``. Attributes are
-    ``schema.COLLECTIVE_FIELDS`` (``.func .group_ranks .seq .state .complete_ns`` ...) plus ``.label`` and
-    ``.children`` of its op.
-
-    Example:
-        >>> c = trace.collectives[0]
-        >>> c.func, c.seq, c.label, [trace[i].func for i in c.children]
-    """
-
-    __slots__ = ("_trace", "row")
-
-    def __init__(self, trace: Trace, row: int) -> None:
-        self._trace = trace
-        self.row = row
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _COLUMN:
-            return self._trace.collective_table[name][self.row]
-        raise AttributeError(f"Collective has no attribute {name!r}; fields: {', '.join(sorted(_COLUMN))}")
-
-    @property
-    def label(self) -> str:
-        """Label of the collective's op row (``all_reduce_2``)."""
-        return self._trace.columns["label"][self.op]
-
-    @property
-    def children(self) -> tuple[int, ...]:
-        """Indices of the ops that read the collective's result."""
-        return self._trace.children[self.op]
-
-    def __repr__(self) -> str:
-        return (
-            f"<Collective {self.label} group={list(self.group_ranks)} seq={self.seq} "
-            f"{self.out_numel} x {self.dtype} {self.state}>"
-        )

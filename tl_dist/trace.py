@@ -20,6 +20,7 @@ from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, fi
 from .selectors import Selector
 
 _OP_FIELD_NAMES = frozenset(field_names(OP_FIELDS))
+_COLLECTIVE_FIELD_NAMES = frozenset(field_names(COLLECTIVE_FIELDS))
 
 
 class Op:
@@ -140,6 +141,46 @@ class ModuleCall:
 
     def __repr__(self) -> str:
         return f"<ModuleCall {self.address or '<root>'} ({self.type}) call {self.call}>"
+
+
+class Collective:
+    """One collective of a trace: a view over a row of ``trace.collective_table``. Attributes are
+    ``schema.COLLECTIVE_FIELDS`` (``.func .group_ranks .seq .state .complete_ns`` ...) plus ``.label`` and
+    ``.children`` of its op.
+
+    Example:
+        >>> c = trace.collectives[0]
+        >>> c.func, c.seq, c.label, [trace[i].func for i in c.children]
+    """
+
+    __slots__ = ("_trace", "row")
+
+    def __init__(self, trace: Trace, row: int) -> None:
+        self._trace = trace
+        self.row = row
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _COLLECTIVE_FIELD_NAMES:
+            return self._trace.collective_table[name][self.row]
+        raise AttributeError(
+            f"Collective has no attribute {name!r}; fields: {', '.join(sorted(_COLLECTIVE_FIELD_NAMES))}"
+        )
+
+    @property
+    def label(self) -> str:
+        """Label of the collective's op row (``all_reduce_2``)."""
+        return self._trace.columns["label"][self.op]
+
+    @property
+    def children(self) -> tuple[int, ...]:
+        """Indices of the ops that read the collective's result."""
+        return self._trace.children[self.op]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Collective {self.label} group={list(self.group_ranks)} seq={self.seq} "
+            f"{self.out_numel} x {self.dtype} {self.state}>"
+        )
 
 
 class Trace:
@@ -278,7 +319,6 @@ class Trace:
         Example:
             >>> [(c.func, c.seq, c.state) for c in trace.collectives]
         """
-        from .collectives import Collective
 
         return [Collective(self, r) for r in range(len(self.collective_table["op"]))]
 
