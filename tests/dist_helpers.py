@@ -160,3 +160,22 @@ def run_ranks(
     if problems:
         raise AssertionError(f"{len(problems)} of {world_size} ranks failed:\n" + "\n".join(problems))
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def collective_rows(trace) -> list[dict]:
+    """Plain data (picklable back to the test process) for each collective of ``trace``: its collective-table
+    fields, plus its op row's label/aten/kind/func/phase/inplace and the funcs of its readers and theirs."""
+    from tl_dist.schema import COLLECTIVE_FIELDS
+
+    out = []
+    for c in trace.collectives:
+        op = trace[c.op]
+        row = {f.name: getattr(c, f.name) for f in COLLECTIVE_FIELDS}
+        row["group_ranks"] = tuple(row["group_ranks"])
+        row.update(
+            label=c.label, aten=op.aten, kind=op.kind, row_func=op.func, phase=op.phase, inplace=op.inplace
+        )
+        row["children"] = tuple(trace[i].func for i in c.children)
+        row["grandchildren"] = tuple(trace[j].func for i in c.children for j in trace[i].children)
+        out.append(row)
+    return out

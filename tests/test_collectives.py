@@ -7,30 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from dist_helpers import run_ranks
+from dist_helpers import collective_rows, run_ranks
 from torch import nn
 
 import tl_dist as tl
 from tl_dist._opinfo import op_info
 from tl_dist.collectives import _SPECS
 from tl_dist.schema import COLLECTIVE_FIELDS
-
-
-def _rows(trace):
-    """Plain-data copy of the collective table with each collective's op label and readers."""
-    out = []
-    for c in trace.collectives:
-        row = {f.name: getattr(c, f.name) for f in COLLECTIVE_FIELDS}
-        row["group_ranks"] = tuple(row["group_ranks"])
-        row["label"] = c.label
-        row["aten"] = trace[c.op].aten
-        row["kind"] = trace[c.op].kind
-        row["row_func"] = trace[c.op].func
-        row["inplace"] = trace[c.op].inplace
-        row["children"] = tuple(trace[i].func for i in c.children)
-        row["grandchildren"] = tuple(trace[j].func for i in c.children for j in trace[i].children)
-        out.append(row)
-    return out
 
 
 class CommModel(nn.Module):
@@ -112,7 +95,7 @@ def _every_collective(rank, world_size, out_dir):
             dist.all_reduce(p.grad)
             p.grad.div_(world_size)
         opt.step()
-    return {"rows": _rows(cap.trace), "values": values}
+    return {"rows": collective_rows(cap.trace), "values": values}
 
 
 @pytest.mark.slow

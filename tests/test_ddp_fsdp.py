@@ -3,24 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_ranks
+from dist_helpers import collective_rows, run_ranks
 from torch import nn
 
 import tl_dist as tl
-from tl_dist.schema import COLLECTIVE_FIELDS
-
-
-def _rows(trace):
-    out = []
-    for c in trace.collectives:
-        row = {f.name: getattr(c, f.name) for f in COLLECTIVE_FIELDS}
-        row["group_ranks"] = tuple(row["group_ranks"])
-        row["label"] = c.label
-        row["phase"] = trace[c.op].phase
-        row["children"] = tuple(trace[i].func for i in c.children)
-        row["grandchildren"] = tuple(trace[j].func for i in c.children for j in trace[i].children)
-        out.append(row)
-    return out
 
 
 def _mlp():
@@ -53,7 +39,7 @@ def _ddp(rank, world_size, out_dir):
     hooks_after = (dict(model._forward_hooks), model._comm_hooks if hasattr(model, "_comm_hooks") else None)
     weight_sum = sum(p.detach().sum().item() for p in model.parameters())
     return {
-        "rows": _rows(cap.trace),
+        "rows": collective_rows(cap.trace),
         "buckets": buckets,
         "hooks_unchanged": repr(hooks_before) == repr(hooks_after),
         "weight_sum": weight_sum,
@@ -102,7 +88,7 @@ def _fsdp(rank, world_size, out_dir):
     copy_ins = [op.index for op in trace if op.func == "all_gather_copy_in"]
     gathers = [c for c in trace.collectives if c.func == "all_gather"]
     return {
-        "rows": _rows(trace),
+        "rows": collective_rows(trace),
         "gather_parents": [trace[c.op].parents for c in gathers],
         "copy_ins": copy_ins,
     }

@@ -141,7 +141,9 @@ def test_hang_run_not_completed_from_incomplete_shards(tmp_path):
     assert where[1]["absent"] and where[1]["last_label"] == "all_reduce_1"
     # rank 0's all_reduce_2 failed (gloo timeout): its work finished with an error, which is not completion
     hung = g.rank(0)
-    states = {hung[op].label: st for op, st in zip(hung.collective_table["op"], hung.collective_table["state"])}
+    states = {
+        hung[op].label: st for op, st in zip(hung.collective_table["op"], hung.collective_table["state"])
+    }
     assert states["all_reduce_1"] == "completed" and states["all_reduce_2"] == "issued"
 
 
