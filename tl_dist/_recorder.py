@@ -356,16 +356,10 @@ class Recorder:
         self, index: int, outs: list, func: Any, args: tuple, kwargs: dict, tensors: list, srcs: list
     ) -> None:
         keep = self.keep_graph
-        watch = self._storage_refs.setdefault
+        watch = self._watch
         self.saved[index] = [o if keep else o.detach() for o in outs]
         for pos, o in enumerate(outs):
-            storage = o.untyped_storage()
-            if storage.nbytes():
-                try:
-                    ptr = storage.data_ptr()
-                except RuntimeError:  # storage-less wrapper subclass (AsyncCollectiveTensor, DTensor)
-                    continue
-                watch(ptr, []).append((index, 0, pos))
+            watch(o, (index, 0, pos))
         # Replay info. The argument structure is kept as the dispatcher passed it (the tensors in it act as
         # slots, see fill_skeleton): building a copy per op would cost more than the op on small tensors.
         # Untracked tensors (parameters, inputs) are watched so that a later in-place write (an optimizer
@@ -381,13 +375,7 @@ class Recorder:
                 consts[k] = t if keep else t.detach()
                 if pre_write is not None and k in pre_write:
                     consts[k] = pre_write[k]
-                storage = t.untyped_storage()
-                if storage.nbytes():
-                    try:
-                        ptr = storage.data_ptr()
-                    except RuntimeError:  # storage-less wrapper subclass
-                        continue
-                    watch(ptr, []).append((index, 1, k))
+                watch(t, (index, 1, k))
         self.replay[index] = (func, args, kwargs, srcs, consts)
 
     def _before_write(self, index: int, written: list[Tensor], tensors: list, srcs: list) -> None:
@@ -404,21 +392,13 @@ class Recorder:
     def _note_writes(self, index: int, written: list[Tensor]) -> None:
         for t in written:
             lo, hi = _byte_extent(t)
-            if hi > lo:
-                try:
-                    key = t.untyped_storage().data_ptr()
-                except RuntimeError:  # storage-less wrapper subclass (see _written_since)
-                    continue
+            key = _storage_key(t)
+            if hi > lo and key is not None:
                 self._writes.setdefault(key, []).append((index, lo, hi))
 
     def _written_since(self, t: Tensor, since: int) -> int:
         """The latest op after op ``since`` that wrote in place into memory ``t`` covers; -1 if none."""
-        try:
-            entries = self._writes.get(t.untyped_storage().data_ptr())
-        except RuntimeError:
-            # A wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor): its
-            # data lives in inner tensors, which its own dispatch handles below the mode.
-            return -1
+        entries = self._writes.get(_storage_key(t))
         if not entries or entries[-1][0] <= since:
             return -1
         lo, hi = _byte_extent(t)
@@ -445,21 +425,14 @@ class Recorder:
         return outs + extra if extra else outs
 
     def _watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            try:
-                ptr = storage.data_ptr()
-            except RuntimeError:  # storage-less wrapper subclass
-                return
-            self._storage_refs.setdefault(ptr, []).append(entry)
+        key = _storage_key(t)
+        if key is not None:
+            self._storage_refs.setdefault(key, []).append(entry)
 
     def _copy_before_write(self, written: list[Tensor]) -> None:
         """Copy saved tensors that share memory with tensors an in-place op is about to overwrite."""
         for t in written:
-            try:
-                entries = self._storage_refs.pop(t.untyped_storage().data_ptr(), None)
-            except RuntimeError:  # storage-less wrapper subclass (see _written_since)
-                continue
+            entries = self._storage_refs.pop(_storage_key(t), None)
             for index, what, pos in entries or ():
                 if what == 0:
                     saved = self.saved[index]
@@ -528,6 +501,17 @@ class Recorder:
             for index, start, end in self.cuda_events:
                 durations[index] = int(start.elapsed_time(end) * 1e6)
         return columns
+
+
+def _storage_key(t: Tensor) -> int | None:
+    """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
+    storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose
+    data lives in inner tensors that its own dispatch handles below the mode."""
+    storage = t.untyped_storage()
+    try:
+        return storage.data_ptr() if storage.nbytes() else None
+    except RuntimeError:
+        return None
 
 
 def _byte_extent(t: Tensor) -> tuple[int, int]:
