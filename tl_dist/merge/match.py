@@ -9,14 +9,14 @@ by position without running the aligner. p2p send/recv pair by (group, src, dst,
 
 Verdict per joined collective, first that applies:
 
+- when every member issued it at the same position: ``type_mismatch`` (different collectives),
+  ``dtype_mismatch``, ``size_mismatch`` (sizes break the kind's rule -- all_reduce: in == out and equal on
+  all members; all_gather: out == in x group size; reduce_scatter: in == out x group size; ...). A
+  disagreement is the cause even when the collective then failed on some members.
 - ``not_completed``  a member issued it but never saw it complete, or a member whose shard is incomplete
   never reached it (the hang signature).
 - ``order``          the ranks issued it at different positions (swapped collectives).
 - ``missing``        some members never issued it (skipped, or did something else there).
-- ``type_mismatch``  members issued different collectives at this point.
-- ``dtype_mismatch`` members' tensors have different dtypes.
-- ``size_mismatch``  sizes break the kind's rule (all_reduce: in == out and equal on all members;
-  all_gather: out == in x group size; reduce_scatter: in == out x group size; ...).
 - ``matched``.
 """
 
@@ -272,12 +272,33 @@ def _size_problem(func: str, entries: list[Entry], group_size: int) -> str:
     return f"sizes differ across ranks: {pay}" if len(set(pay.values())) > 1 else ""
 
 
+def _mismatch(slot: Joined, entries: list, group_size: int) -> tuple[str, str] | None:
+    """Type, dtype or size disagreement among members that all issued the collective; None if they agree."""
+    if not slot.p2p and len({e.func for e in entries}) > 1:
+        return "type_mismatch", "different collectives: " + ", ".join(
+            f"rank {e.rank} {e.func}" for e in entries
+        )
+    if len({e.dtype for e in entries}) > 1:
+        return "dtype_mismatch", "different dtypes: " + ", ".join(f"rank {e.rank} {e.dtype}" for e in entries)
+    problem = "" if slot.p2p else _size_problem(entries[0].func, entries, group_size)
+    if slot.p2p and len({e.payload for e in entries}) > 1:
+        problem = "send and recv sizes differ: " + ", ".join(f"rank {e.rank} {e.payload}" for e in entries)
+    return ("size_mismatch", problem) if problem else None
+
+
 def _judge(slot: Joined, group_size: int, incomplete: set[int], last_pos: dict[int, int], pos: int) -> None:
     entries = list(slot.entries.values())
     stuck = [e.rank for e in entries if e.state != "completed"]
     missing = slot.missing
     never_reached = [r for r in missing if r in incomplete and last_pos.get(r, -1) < pos]
-    if stuck or (missing and len(never_reached) == len(missing)):
+    # When every member issued it, a disagreement is the cause and a failure to complete its consequence
+    # (gloo fails both sides of an all_reduce met by a broadcast).
+    mismatch = None if missing or slot.order else _mismatch(slot, entries, group_size)
+    if mismatch is not None:
+        slot.verdict, slot.detail = mismatch
+        if stuck:
+            slot.detail += f"; never completed on rank(s) {stuck}"
+    elif stuck or (missing and len(never_reached) == len(missing)):
         slot.verdict = "not_completed"
         parts = []
         if stuck:
@@ -295,21 +316,6 @@ def _judge(slot: Joined, group_size: int, incomplete: set[int], last_pos: dict[i
     elif missing:
         slot.verdict = "missing"
         slot.detail = f"not issued by rank(s) {list(missing)}"
-    elif not slot.p2p and len({e.func for e in entries}) > 1:
-        slot.verdict = "type_mismatch"
-        slot.detail = "different collectives: " + ", ".join(f"rank {e.rank} {e.func}" for e in entries)
-    elif len({e.dtype for e in entries}) > 1:
-        slot.verdict = "dtype_mismatch"
-        slot.detail = "different dtypes: " + ", ".join(f"rank {e.rank} {e.dtype}" for e in entries)
-    else:
-        problem = "" if slot.p2p else _size_problem(entries[0].func, entries, group_size)
-        if slot.p2p and len({e.payload for e in entries}) > 1:
-            problem = "send and recv sizes differ: " + ", ".join(
-                f"rank {e.rank} {e.payload}" for e in entries
-            )
-        if problem:
-            slot.verdict = "size_mismatch"
-            slot.detail = problem
 
 
 def _culprits(slot: Joined) -> tuple[int, ...]:
