@@ -226,6 +226,15 @@ def test_overlapping_async_waits_count_once(tmp_path):
     assert tb.loc[0, "wait_ns"] == late + 2
 
 
+def test_disagreement_is_the_cause_when_the_collective_then_failed(tmp_path):
+    # Both ranks issued something at seq 2 and neither completed: the different kinds are the finding.
+    s0 = [coll(source=A), coll("all_reduce", source=B, state="issued")]
+    s1 = [coll(source=A), coll("broadcast", source=B, state="issued")]
+    f = _only(_merge(tmp_path, [s0, s1], complete={0: False, 1: False}))
+    assert (f.kind, f.seq) == ("type_mismatch", 2)
+    assert "never completed on rank(s) [0, 1]" in str(f)
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(tl.MergeError, match="holds no shards"):
         merge_ranks(tmp_path)
