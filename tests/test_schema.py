@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import tl_dist as tl
@@ -62,3 +63,12 @@ def test_module_calls_record_their_call_site():
     assert sites["inner"].startswith(here) and sites["inner.0"] == sites["inner"] == sites["inner.1"]
     assert trace["addmm_1"].source == sites["inner"]  # op inside torch code -> the user line that led there
     assert trace["mul_1"].source == f"{here}{line}"
+
+
+def test_every_subpackage_is_packaged():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "tl_dist").rglob("__init__.py")}
+    assert found <= listed, f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
