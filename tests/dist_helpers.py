@@ -65,6 +65,13 @@ def _rank_main(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
         result = fn(rank, world_size, out, *args)
+        if dist.is_initialized():
+            # Tear down together: a rank that destroys its gloo group while a peer still has work in flight
+            # makes the peer's gloo thread throw, and the peer dies with SIGABRT ("terminate called ...").
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=10))
+            except RuntimeError:
+                pass  # a peer died or failed on purpose (the fault tests): nobody to wait for
         tmp = out / f"rank{rank}.pt.tmp"
         torch.save(result, tmp)
         os.replace(tmp, out / f"rank{rank}.pt")
