@@ -105,3 +105,22 @@ def test_bad_arguments_name_the_argument(small):
     trace = tl.trace(model, x)
     with pytest.raises(KeyError, match="relu_1"):
         trace["relu_9"]
+
+
+def test_dropped_trace_is_freed_by_reference_counting(small):
+    # No reference cycles: a discarded trace and its saved tensors go at once, not at the next GC pass
+    # (a cycle kept activations alive and made Python's collections walk whole traces).
+    import gc
+    import weakref
+
+    model, x = small
+    gc.disable()
+    try:
+        for save_grads in (None, True):
+            trace = tl.trace(model, x, save_grads=save_grads)
+            trace.log_backward(trace.output.sum()) if save_grads else None
+            refs = [weakref.ref(trace), weakref.ref(trace._recorder), weakref.ref(trace["relu_1"].out)]
+            del trace
+            assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()

@@ -25,7 +25,7 @@ class ModuleTracker:
     """Keeps the stack of module calls and their table; names modules from the roots it is given or finds."""
 
     def __init__(self, recorder: Recorder, roots: list[tuple[str, torch.nn.Module]]) -> None:
-        self._recorder = recorder
+        self._recorder = weakref.proxy(recorder)  # the recorder owns this tracker: no reference cycle
         self.names: dict[int, str] = {}
         self.params: dict[int, str] = {}
         self._modules: dict[int, weakref.ref] = {}

@@ -12,6 +12,7 @@ import itertools
 import sys
 import sysconfig
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -98,7 +99,7 @@ class SourceLocator:
     _USER, _INTERNAL, _MODULE_CALL = 0, 1, 2
 
     def __init__(self, modules: ModuleTracker) -> None:
-        self._modules = modules
+        self._modules = weakref.proxy(modules)  # the recorder owns both: no reference cycle
         self._kinds = _CODE_KINDS
         self._names = _SOURCE_NAMES
 

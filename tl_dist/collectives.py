@@ -43,6 +43,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,7 +221,7 @@ class CollectiveLog:
     """
 
     def __init__(self, recorder: Any) -> None:
-        self.recorder = recorder
+        self.recorder = weakref.proxy(recorder)  # the recorder owns this log: no reference cycle
         self.rows: list[list] = []
         self._groups: dict[int, _Group] = {}
         self._by_name: dict[str, _Group] = {}

@@ -26,6 +26,7 @@ everything it runs ``backward``.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,7 +169,7 @@ class TrainingState:
     """Phase hooks, backward links, gradient hooks and statistics of one capture (owned by its Recorder)."""
 
     def __init__(self, recorder: Recorder, *, save_grads: Any, stats: Any) -> None:
-        self.rec = recorder
+        self.rec = weakref.proxy(recorder)  # the recorder owns this state: no reference cycle
         self.grads_all = save_grads is True
         self.grads_selector = None if save_grads is True or save_grads is None else save_grads
         self.stats_all = stats is True
