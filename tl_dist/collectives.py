@@ -249,24 +249,15 @@ class CollectiveLog:
             group = self._groups[id(value)] = _Group(value)
         return group
 
-    def record(
-        self,
-        index: int,
-        comm: CommOp,
-        args: tuple,
-        kwargs: dict,
-        out: Any,
-        outs: list[Tensor],
-        t0: int,
-        t1: int,
-    ) -> list[Tensor]:
+    def record(self, index: int, comm: CommOp, *call: Any) -> list[Tensor]:
         """Add the collective row for op ``index`` (already in the op table); returns the op's data outputs.
+        ``call`` is ``(args, kwargs, out, outs, t0, t1)`` of the op, as :meth:`_record` takes them.
 
         Never raises into the user's step: a collective tl_dist cannot describe (an exotic backend or group)
         keeps its op row, gets no collective row, and is reported once as a warning.
         """
         try:
-            return self._record(index, comm, args, kwargs, out, outs, t0, t1)
+            return self._record(index, comm, *call)
         except Exception as exc:  # noqa: BLE001 - the training step matters more than the record
             if comm.func not in self._failed:
                 self._failed.add(comm.func)
@@ -276,7 +267,7 @@ class CollectiveLog:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            return outs
+            return call[3]  # the op's tensor outputs, unchanged
 
     def _record(
         self,
