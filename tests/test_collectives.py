@@ -362,3 +362,17 @@ def test_run_ranks_reports_the_failing_rank(tmp_path):
     assert "--- rank 1 raised" in message and "ValueError: rank one refuses" in message
     # Rank 0, stuck in the all-reduce with the dead rank, fails (gloo: peer closed) or is killed soon after.
     assert "rank 0" in message and time.monotonic() - t0 < 45
+
+
+def test_undescribable_collective_warns_and_keeps_its_op_row():
+    # A collective call tl_dist cannot describe (here: its process group is not one) must not break the
+    # user's step: its op row stays, it gets no collective row, and one warning names it.
+    from tl_dist._recorder import Recorder
+    from tl_dist.collectives import comm_op
+
+    rec = Recorder(save=None, keep_graph=False, source=False, roots=[], save_grads=None, stats=None)
+    comm = comm_op(torch.ops.c10d.allreduce_.default)
+    outs = [torch.ones(2)]
+    with pytest.warns(RuntimeWarning, match="could not describe collective all_reduce"):
+        assert rec.comm.record(0, comm, (outs, object()), {}, None, outs, 0, 1) is outs
+    assert rec.comm.columns()["op"] == []
