@@ -31,19 +31,11 @@ from typing import Any
 
 import torch
 
-from .selectors import Selector
+from .selectors import check_selection
 from .store.options import ShardOptions
 
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
 _DEFAULT_SHARD = ShardOptions()
-
-
-def _check_selection(value: Any, name: str) -> Any:
-    if value is True or value is None or isinstance(value, Selector):
-        return value
-    raise ValueError(
-        f"{name} must be True (all ops), None (none) or a selector such as tl.func('relu'); got {value!r}"
-    )
 
 
 def _run_metadata() -> dict[str, Any]:
@@ -177,9 +169,9 @@ def arm(
     global _state
     if not isinstance(out_dir, (str, os.PathLike)):
         raise ValueError(f"out_dir must be a str or os.PathLike folder, got {type(out_dir).__name__}")
-    save = _check_selection(save, "save")
-    save_grads = _check_selection(save_grads, "save_grads")
-    stats = _check_selection(stats, "stats")
+    save = check_selection(save, "save")
+    save_grads = check_selection(save_grads, "save_grads")
+    stats = check_selection(stats, "stats")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"every must be a positive int (capture every N-th step) or None, got {every!r}")
     if not isinstance(shard, ShardOptions):

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._recorder import Recorder
 from .arm import open_window as _open_window
 from .errors import TlDistError
-from .selectors import Selector
+from .selectors import check_selection
 from .trace import Trace
 
 _active: list[Capture] = []
@@ -31,14 +31,6 @@ class _CaptureMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         return self._on_op(func, args, kwargs or {})
-
-
-def _check_save(save: Any, name: str = "save") -> Any:
-    if save is True or save is None or isinstance(save, Selector):
-        return save
-    raise ValueError(
-        f"{name} must be True (all ops), None (none) or a selector such as tl.func('relu'); got {save!r}"
-    )
 
 
 class Capture:
@@ -60,9 +52,9 @@ class Capture:
         save_grads: Any = None,
         stats: Any = None,
     ) -> None:
-        self.save = _check_save(save)
-        self.save_grads = _check_save(save_grads, "save_grads")
-        self.stats = _check_save(stats, "stats")
+        self.save = check_selection(save, "save")
+        self.save_grads = check_selection(save_grads, "save_grads")
+        self.stats = check_selection(stats, "stats")
         if not isinstance(keep_graph, bool):
             raise ValueError(f"keep_graph must be a bool, got {keep_graph!r}")
         if not isinstance(source, bool):

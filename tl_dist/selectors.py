@@ -32,6 +32,15 @@ class Selector:
         return _Not(self)
 
 
+def check_selection(value: Any, name: str) -> Any:
+    """``value`` if it is a valid choice of ops for option ``name`` (True: all, None: none, or a selector)."""
+    if value is True or value is None or isinstance(value, Selector):
+        return value
+    raise ValueError(
+        f"{name} must be True (all ops), None (none) or a selector such as tl.func('relu'); got {value!r}"
+    )
+
+
 def _check(other: Any, op: str) -> Selector:
     if not isinstance(other, Selector):
         raise TypeError(f"selector {op} expects another selector (tl.func, tl.in_module, ...), got {other!r}")
