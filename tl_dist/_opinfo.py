@@ -6,7 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils import flop_counter
+from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+_aten = torch.ops.aten
+# Formulas torch's registry lacks for ops that run on CPU, reusing torch's own shape formulas: CPU
+# scaled-dot-product attention has the same (query, key, value, ...) / (grad_out, query, key, value, ...)
+# layout as the GPU kernels torch counts. Pass this to FlopCounterMode(custom_mapping=...) to compare.
+EXTRA_FLOP_FORMULAS: dict[Any, Any] = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__,
+}
+_EXTRA_WRAPPED = {packet: shape_wrapper(f) for packet, f in EXTRA_FLOP_FORMULAS.items()}
 
 from .collectives import comm_op
 
@@ -37,7 +48,7 @@ class OpInfo:
         self.aten = str(op)
         self.namespace = getattr(op, "namespace", "")
         self.func = packet.__name__ if packet is not None else getattr(op, "__name__", self.aten)
-        self.flop_fn = flop_registry.get(packet)
+        self.flop_fn = flop_registry.get(packet) or _EXTRA_WRAPPED.get(packet)
         schema = getattr(op, "_schema", None)
         # (position, name) of every argument the op writes into: relu_(self), add_(self), copy_(self), out=.
         self.mutated: tuple[tuple[int, str], ...] = ()

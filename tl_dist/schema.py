@@ -78,7 +78,9 @@ OP_FIELDS: tuple[Field, ...] = (
     Field("parents", "ints", "Indices of the ops whose outputs this op read (data dependencies)."),
     Field("inplace", "bool", "The op writes into one of its arguments (`relu_`, `add_`, `copy_`, out=)."),
     Field(
-        "flops", "int", "Floating-point operations from torch.utils.flop_counter's registry; 0 where none."
+        "flops",
+        "int",
+        "Floating-point operations from torch.utils.flop_counter's formulas (plus CPU attention); 0 where none.",
     ),
     Field("start_ns", "int", "Start time, nanoseconds since the Unix epoch (host clock)."),
     Field("duration_ns", "int", "Duration in ns: host clock on CPU, CUDA events when the op ran on a GPU."),
