@@ -9,6 +9,8 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from .collectives import comm_op
+
 _aten = torch.ops.aten
 # Formulas torch's registry lacks for ops that run on CPU, reusing torch's own shape formulas: CPU
 # scaled-dot-product attention has the same (query, key, value, ...) / (grad_out, query, key, value, ...)
@@ -18,8 +20,6 @@ EXTRA_FLOP_FORMULAS: dict[Any, Any] = {
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__,
 }
 _EXTRA_WRAPPED = {packet: shape_wrapper(f) for packet, f in EXTRA_FLOP_FORMULAS.items()}
-
-from .collectives import comm_op
 
 # Namespaces whose ops are communication, not compute. Collective recognition proper (normalised names,
 # group, sequence number) lives in tl_dist.collectives; this only tags the kind.

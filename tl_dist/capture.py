@@ -106,7 +106,15 @@ class Capture:
             recorder.training.uninstall(keep_node_hooks=bool(self._roots))
             if self._gc_was_enabled:
                 gc.enable()
-        self.trace = self._build_trace(output=None)
+        try:
+            self.trace = self._build_trace(output=None)
+        except Exception as build_error:
+            if exc is None:
+                raise
+            # Never mask the user's own error with one of ours: it propagates, with a note.
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"tl_dist: no partial trace ({type(build_error).__name__}: {build_error})")
+            return
         if exc is not None:
             # The partial trace travels with the error: `except E as e: e.tl_trace`.
             exc.tl_trace = self.trace
