@@ -72,3 +72,10 @@ def test_every_subpackage_is_packaged():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "tl_dist").rglob("__init__.py")}
     assert found <= listed, f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_trace_from_columns_missing_a_field_is_a_schema_error():
+    trace = tl.trace(torch.nn.Linear(2, 2), torch.randn(1, 2))
+    columns = {k: v for k, v in trace.columns.items() if k != "flops"}
+    with pytest.raises(tl.SchemaError, match="flops"):
+        tl.Trace(columns, trace.module_table)

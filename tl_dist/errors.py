@@ -7,7 +7,7 @@ class TlDistError(Exception):
     """Base class of tl_dist's own errors."""
 
 
-class SchemaError(TlDistError):
+class SchemaError(TlDistError, ValueError):
     """A table does not match the schema this version of tl_dist reads and writes."""
 
 

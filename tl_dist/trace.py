@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from .errors import SchemaError
 from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .selectors import Selector
 
@@ -205,7 +206,7 @@ class Trace:
     ) -> None:
         missing = [n for n in field_names(OP_FIELDS) if n not in columns]
         if missing:
-            raise ValueError(f"columns lacks schema fields {missing}")
+            raise SchemaError(f"columns lacks schema fields {missing} (see tl_dist.schema.OP_FIELDS)")
         self.columns = columns
         self.module_table = module_table
         self.collective_table = collective_table or empty_columns(COLLECTIVE_FIELDS)
