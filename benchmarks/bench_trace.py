@@ -240,7 +240,8 @@ def leftover_check(work: dict) -> dict[str, tuple[int, int, int]]:
 def overhead(work: dict, reps: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
     """Per-round ratios traced / plain for save=True and save=None, modes interleaved."""
     ratios: dict[str, dict[str, list[float]]] = {
-        name: {"all": [], "none": [], "plain": [], "all_s": [], "none_s": []} for name in work
+        name: {"all": [], "none": [], "plain": [], "all_s": [], "none_s": [], "floor": [], "floor_refs": []}
+        for name in work
     }
     for model, x in work.values():  # warm-up: first dispatch-mode use in a process is slow
         for save in (True, None):
@@ -251,19 +252,42 @@ def overhead(work: dict, reps: dict, rounds: int) -> dict[str, dict[str, list[fl
             p0 = best_of(plain_fn(model, x), n)
             t_all = best_of(trace_fn(model, x, True), n)
             t_none = best_of(trace_fn(model, x, None), n)
+            t_floor = best_of(passthrough_fn(model, x, keep=False), n)
+            t_floor_refs = best_of(passthrough_fn(model, x, keep=True), n)
             p1 = best_of(plain_fn(model, x), n)
             plain = min(p0, p1)
             ratios[name]["plain"].append(plain)
             ratios[name]["all"].append(t_all / plain)
             ratios[name]["none"].append(t_none / plain)
+            ratios[name]["floor"].append(t_floor / plain)
+            ratios[name]["floor_refs"].append(t_floor_refs / plain)
             ratios[name]["all_s"].append(t_all)
             ratios[name]["none_s"].append(t_none)
     return ratios
 
 
 class _Passthrough(TorchDispatchMode):
+    """The floor of any dispatcher-level tracer: forwards each op; with ``keep``, also keeps every output alive
+    (what saving all activations costs before any bookkeeping: the plain forward reuses that memory)."""
+
+    def __init__(self, keep: bool = False) -> None:
+        super().__init__()
+        self.outputs: list | None = [] if keep else None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.outputs is not None:
+            self.outputs.append(out)
+        return out
+
+
+def passthrough_fn(model: torch.nn.Module, x: torch.Tensor, *, keep: bool) -> Callable[[], object]:
+    def run() -> object:
+        with torch.no_grad(), _Passthrough(keep) as mode:
+            model(x)
+        return mode.outputs
+
+    return run
 
 
 def per_op_us(n_ops: int, rounds: int) -> dict[str, float]:
@@ -451,6 +475,15 @@ def main() -> None:
         print(
             f"  {name:<12} save=True {min(r['all_s']) / fastest:.2f}x, save=None {min(r['none_s']) / fastest:.2f}x"
             f" (plain {1e3 * fastest:.2f} ms)"
+        )
+    print(
+        "Design floors, same rounds: a pass-through TorchDispatchMode / the same keeping every output alive"
+    )
+    for name in work:
+        r = ratios[name]
+        print(
+            f"  {name:<12} {statistics.median(r['floor']):.2f}x / {statistics.median(r['floor_refs']):.2f}x"
+            f"   (tl_dist: save=None {statistics.median(r['none']):.2f}x, save=True {statistics.median(r['all']):.2f}x)"
         )
     print("\nOps per forward (most frequent funcs):")
     for name, (n, common) in counts.items():

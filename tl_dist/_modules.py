@@ -109,12 +109,13 @@ class ModuleTracker:
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack
-        if not stack or all(entry[0] != id(module) for entry in stack):
+        key = id(module)
+        if not stack or (stack[-1][0] != key and all(entry[0] != key for entry in stack)):
             return
         while stack:
             mid, row, _ = stack.pop()
             self.calls["end_op"][row] = self._recorder.n_ops
-            if mid == id(module):
+            if mid == key:
                 break
         self._set_current()
         if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
