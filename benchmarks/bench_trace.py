@@ -341,9 +341,7 @@ def draw_s(tmp: Path) -> tuple[int, int, float, float]:
         *[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(330)]
     )
     trace = trace_fn(model, torch.randn(1, 4), None)()
-    start = time.perf_counter()
-    graph_source(trace)
-    source_s = time.perf_counter() - start
+    source_s = best_of(lambda: graph_source(trace), 1, blocks=3)  # best of 3: one may catch a full GC pass
     start = time.perf_counter()
     trace.draw(tmp / "graph.svg")
     return len(trace), len(trace.module_table["address"]), source_s, time.perf_counter() - start
