@@ -176,10 +176,8 @@ class Recorder:
         self.replay: dict[int, tuple[Any, tuple, dict, list, list]] = {}
         self.output_of: dict[int, list[str]] = {}
         self._storage_refs: dict[int, list[tuple[int, int, int]]] = {}
-        self._writes: dict[
-            int, list[tuple[int, int, int]]
-        ] = {}  # storage -> (op, first byte, end byte) written
-        self._pre_write: tuple[int, dict[int, Tensor]] | None = None  # see _before_write
+        # storage -> (op, first byte, end byte) of each in-place write into it
+        self._writes: dict[int, list[tuple[int, int, int]]] = {}
         self._label_counts: dict[str, int] = {}
         self.modules = ModuleTracker(self, roots)
         self._backward_sources: dict[int, str] = {}  # autograd graph task -> where backward() was called
@@ -238,8 +236,10 @@ class Recorder:
                     parents[writer] = None  # e.g. a parameter the optimizer updated earlier in the window
 
         inplace = bool(info.mutated)
+        pre_write = None
         if inplace:
-            self._before_write(self.n_ops, mutated_tensors(info, args, kwargs), tensors, srcs)
+            written = mutated_tensors(info, args, kwargs)
+            pre_write = self._before_write(written, tensors, srcs)
 
         index = self.n_ops
         cuda = tensors and tensors[0].is_cuda
@@ -258,19 +258,8 @@ class Recorder:
             end_event.record()
             self.cuda_events.append((index, start_event, end_event))
 
-        if isinstance(out, Tensor):
-            outs: list[Tensor] = [out]
-        elif type(out) is tuple or type(out) is list:
-            outs = []
-            for o in out:
-                if isinstance(o, Tensor):
-                    outs.append(o)
-                elif type(o) is list or type(o) is tuple:
-                    outs += [p for p in o if isinstance(p, Tensor)]
-        else:
-            outs = []
+        outs: list[Tensor] = [out] if isinstance(out, Tensor) else flat_outputs(out)
         if inplace:
-            written = mutated_tensors(info, args, kwargs)
             self._note_writes(index, written)
             if outs:
                 outs = self._with_written_bases(written, outs)
@@ -349,12 +338,20 @@ class Recorder:
         if outs and (
             self.save_all or (self.save_selector is not None and self.save_selector.match(RowView(row)))
         ):
-            self._save(index, outs, func, args, kwargs, tensors, srcs)
+            self._save(index, outs, func, args, kwargs, tensors, srcs, pre_write)
         return out
 
     # -- saving -------------------------------------------------------------------------------------------
     def _save(
-        self, index: int, outs: list, func: Any, args: tuple, kwargs: dict, tensors: list, srcs: list
+        self,
+        index: int,
+        outs: list,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        tensors: list,
+        srcs: list,
+        pre_write: dict[int, Tensor] | None,
     ) -> None:
         keep = self.keep_graph
         watch = self._watch
@@ -366,29 +363,27 @@ class Recorder:
         # Untracked tensors (parameters, inputs) are watched so that a later in-place write (an optimizer
         # step) first copies the value this op read.
         consts: list[Tensor | None] = [None] * len(tensors)
-        pre_write = None
-        if self._pre_write is not None and self._pre_write[0] == index:
-            pre_write = self._pre_write[1]
-            self._pre_write = None
         for k, src in enumerate(srcs):
             if src is None:
                 t = tensors[k]
-                consts[k] = t if keep else t.detach()
                 if pre_write is not None and k in pre_write:
-                    consts[k] = pre_write[k]
+                    consts[k] = pre_write[k]  # the value before this op wrote into it
+                else:
+                    consts[k] = t if keep else t.detach()
                 watch(t, (index, 1, k))
         self.replay[index] = (func, args, kwargs, srcs, consts)
 
-    def _before_write(self, index: int, written: list[Tensor], tensors: list, srcs: list) -> None:
-        """Before an in-place op runs: copy saved tensors it would overwrite and, when saving, keep the value of
-        each untracked tensor it writes (a buffer's ``add_``): replay info is built after the op ran and must
-        hold what the op read, not what it wrote."""
+    def _before_write(self, written: list[Tensor], tensors: list, srcs: list) -> dict[int, Tensor] | None:
+        """Before an in-place op runs: copy saved tensors it would overwrite and, when saving, return the value
+        of each untracked tensor it writes (a buffer's ``add_``) by argument slot: replay info is built after
+        the op ran and must hold what the op read, not what it wrote."""
         if self._storage_refs:
             self._copy_before_write(written)
         if self.save_all or self.save_selector is not None:
             ids = {id(t) for t in written}
             pre = {k: t.detach().clone() for k, t in enumerate(tensors) if srcs[k] is None and id(t) in ids}
-            self._pre_write = (index, pre) if pre else None
+            return pre or None
+        return None
 
     def _note_writes(self, index: int, written: list[Tensor]) -> None:
         for t in written:
@@ -502,6 +497,21 @@ class Recorder:
             for index, start, end in self.cuda_events:
                 durations[index] = int(start.elapsed_time(end) * 1e6)
         return columns
+
+
+def flat_outputs(out: Any) -> list[Tensor]:
+    """The tensors an op returned, in the order their positions are numbered (``saved[op][pos]``, tags):
+    a tuple/list is walked one level deep (``split`` returns a list; ``_foreach`` ops lists in tuples)."""
+    if isinstance(out, Tensor):
+        return [out]
+    flat: list[Tensor] = []
+    if type(out) is tuple or type(out) is list:
+        for o in out:
+            if isinstance(o, Tensor):
+                flat.append(o)
+            elif type(o) is list or type(o) is tuple:
+                flat += [p for p in o if isinstance(p, Tensor)]
+    return flat
 
 
 def _storage_key(t: Tensor) -> int | None:

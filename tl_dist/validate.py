@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._opinfo import mutated_tensors, op_info
-from ._recorder import fill_skeleton
+from ._recorder import fill_skeleton, flat_outputs
 from .errors import TlDistError, ValidationError
 
 if TYPE_CHECKING:
@@ -84,21 +84,6 @@ class ValidationReport:
         for label, why in self.skipped.items():
             lines.append(f"  skipped {label}: {why}")
         return "\n".join(lines)
-
-
-def _flat_outputs(out: Any) -> list[torch.Tensor]:
-    # Same flattening as the recorder, so output positions line up with trace.saved[op].
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if type(out) is tuple or type(out) is list:
-        flat: list[torch.Tensor] = []
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                flat.append(o)
-            elif type(o) is list or type(o) is tuple:
-                flat.extend(p for p in o if isinstance(p, torch.Tensor))
-        return flat
-    return []
 
 
 def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float) -> tuple[float, str] | None:
@@ -217,7 +202,7 @@ def validate(
                 )
                 continue
             report.checked += 1
-            result = _flat_outputs(raw)
+            result = flat_outputs(raw)
             # Outputs a kernel fills only for autograd (mkldnn_rnn_layer's workspace) come back undefined
             # (None) from a no_grad replay; they are the op's last outputs and are not compared.
             undefined = sum(o is None for o in raw) if type(raw) is tuple or type(raw) is list else 0
