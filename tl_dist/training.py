@@ -174,7 +174,6 @@ class TrainingState:
         self.grads_selector = None if save_grads is True or save_grads is None else save_grads
         self.stats_all = stats is True
         self.stats_selector = None if stats is True or stats is None else stats
-        self.stats_on = stats is not None
         self.hooks_on = save_grads is not None or stats is not None
         self.grads: dict[int, list[Tensor | None]] = {}
         # (op index, "out" | "grad", op count when computed, device tensor of the 8 values)
