@@ -18,15 +18,12 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps, treespec_loads
 
-from .. import schema as _schema
 from ..errors import ShardFormatError
-from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
+from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, STAT_FIELDS, Field
 from ..trace import Trace
 from .codecs import ENCODING_VERSION, ShardOptions, StringTable, _tag, read_table, write_table
 
 ROOT_ENCODING = "tl_dist.shard"
-# Per-op statistics (tl.capture(stats=...)); a schema list owned by the training-capture code.
-_STAT_FIELDS: tuple[Field, ...] = getattr(_schema, "STAT_FIELDS", ())
 _DEFAULT_OPTIONS = ShardOptions()
 
 # Which module/output-of rows have an entry: an internal side table, not a schema of its own.
@@ -216,12 +213,9 @@ def write_shard(
             )
             labels = trace.columns["label"]
             _write_tensors(root, "saved", trace.saved, labels, options)
-            grads = getattr(trace, "grads", None)
-            if grads:
-                _write_tensors(root, "grads", grads, labels, options)
-            stats_table = getattr(trace, "stats_table", None)
-            if _STAT_FIELDS and stats_table is not None:
-                write_table(root, "stats", _STAT_FIELDS, stats_table, options, strings=shared)
+            if trace.grads:
+                _write_tensors(root, "grads", trace.grads, labels, options)
+            write_table(root, "stats", STAT_FIELDS, trace.stats_table, options, strings=shared)
             shared[0].write(root, "strings", options)
         os.replace(tmp, path)
     except BaseException:
@@ -389,8 +383,8 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
             out_of = read_table(root, "output_of", _OUTPUT_OF_FIELDS, strings=strings)
             out_trees, output = _read_trees(root, strings)
             stats_table = (
-                read_table(root, "stats", _STAT_FIELDS, strings=strings, filled=filled)
-                if _STAT_FIELDS and "stats" in root
+                read_table(root, "stats", STAT_FIELDS, strings=strings, filled=filled)
+                if "stats" in root
                 else None
             )
             saved: Mapping[int, list] = {}
