@@ -426,14 +426,3 @@ def op_stats(trace: Trace, index: int) -> dict[str, dict[str, float]]:
             rows.setdefault(op, []).append(k)
         cached = trace._stats_rows = (ops, len(ops), rows)
     return {table["of"][k]: {name: table[name][k] for name in _STAT_NAMES} for k in cached[2].get(index, ())}
-
-
-def check_selection(value: Any, name: str) -> Any:
-    """``True``, ``None`` or a selector; anything else is a ValueError naming the option."""
-    from .selectors import Selector
-
-    if value is True or value is None or isinstance(value, Selector):
-        return value
-    raise ValueError(
-        f"{name} must be True (all ops), None (none) or a selector such as tl.func('relu'); got {value!r}"
-    )

@@ -185,9 +185,7 @@ def shard_facts(trace: Trace, ref: ShardRef) -> tuple[int, int, int | None, bool
 
 
 def _attr(trace: Trace, name: str, default: Any) -> Any:
-    value = getattr(trace, name, None)
-    if value is None:
-        value = trace.metadata.get(name)
+    value = trace.metadata.get(name)  # what Trace.rank / .step / .world_size read
     return default if value is None else int(value)
 
 
