@@ -126,42 +126,15 @@ def load_tables(ref: ShardRef) -> ShardTables:
     Raises:
         ShardFormatError: the file is missing, not HDF5, corrupt, or of a newer schema (names the file).
     """
-    import json
-
-    import h5py
-
-    from ..errors import ShardFormatError
-    from ..schema import COLLECTIVE_FIELDS, OP_FIELDS, SCHEMA_VERSION
+    from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
     from ..store.codecs import read_table
+    from ..store.hdf5 import open_shard
 
     path = ref.path
-    try:
-        root = h5py.File(path, "r")
-    except OSError as exc:
-        raise ShardFormatError(
-            f"{path}: not a readable HDF5 file (truncated, corrupt or not HDF5): {exc}"
-        ) from exc
-    try:
-        with root:
-            if root.attrs.get("encoding-type") != "tl_dist.shard":
-                raise ShardFormatError(f"{path}: not a tl_dist shard (root encoding-type attribute)")
-            version = int(root.attrs.get("schema_version", -1))
-            if version > SCHEMA_VERSION:
-                raise ShardFormatError(
-                    f"{path}: written with shard schema version {version}, this tl_dist reads up to "
-                    f"{SCHEMA_VERSION}; upgrade tl_dist to read it"
-                )
-            metadata = json.loads(root.attrs["metadata"])
-            failed_op = json.loads(root.attrs["failed_op"]) if "failed_op" in root.attrs else None
-            # The shard-wide string table, read once for both tables (absent in a shard without strings).
-            strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
-            fields = tuple(f for f in OP_FIELDS if f.name in MERGE_FIELDS)
-            columns = read_table(root, "ops", fields, strings=strings)
-            collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
-    except ShardFormatError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure to decode is a format problem of this file
-        raise ShardFormatError(f"{path}: corrupt or incomplete shard: {type(exc).__name__}: {exc}") from exc
+    with open_shard(path) as (root, metadata, failed_op, strings):
+        fields = tuple(f for f in OP_FIELDS if f.name in MERGE_FIELDS)
+        columns = read_table(root, "ops", fields, strings=strings)
+        collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
     return ShardTables(path, columns, collective_table, metadata, failed_op)
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -316,15 +317,48 @@ def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, A
     return trees, output
 
 
-def _open(path: Path) -> h5py.File:
+@contextmanager
+def open_shard(path: Path) -> Iterator[tuple[h5py.File, dict[str, Any], Any, list[str] | None]]:
+    """Open a shard for reading once its layout and version check out; yields ``(root, metadata, failed_op,
+    strings)`` (``strings``: the shard-wide string table, None in a shard without strings). Any failure to
+    decode inside the ``with`` block is a :class:`ShardFormatError` naming the file.
+
+    Example:
+        >>> with open_shard(path) as (root, metadata, failed_op, strings):
+        ...     ops = read_table(root, "ops", OP_FIELDS, strings=strings)
+    """
     if not path.is_file():
         raise ShardFormatError(f"{path}: no such shard file")
     try:
-        return h5py.File(path, "r")
+        root = h5py.File(path, "r")
     except OSError as exc:
         raise ShardFormatError(
             f"{path}: not a readable HDF5 file (truncated, corrupt or not HDF5): {exc}"
         ) from exc
+    try:
+        with root:
+            encoding = root.attrs.get("encoding-type")
+            if encoding != ROOT_ENCODING:
+                raise ShardFormatError(
+                    f"{path}: HDF5 file of another layout (root encoding-type {encoding!r}, expected "
+                    f"{ROOT_ENCODING!r}); not a tl_dist shard"
+                )
+            version = int(root.attrs.get("schema_version", -1))
+            if version > SCHEMA_VERSION:
+                raise ShardFormatError(
+                    f"{path}: written with shard schema version {version}, this tl_dist reads up to "
+                    f"{SCHEMA_VERSION}; upgrade tl_dist to read it"
+                )
+            if version < 1 or root.attrs.get("encoding-version") != ENCODING_VERSION:
+                raise ShardFormatError(f"{path}: unknown schema/encoding version {version}")
+            metadata = json.loads(root.attrs["metadata"])
+            failed_op = json.loads(root.attrs["failed_op"])
+            strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
+            yield root, metadata, failed_op, strings
+    except ShardFormatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is a format problem of this file
+        raise ShardFormatError(f"{path}: corrupt or incomplete shard: {type(exc).__name__}: {exc}") from exc
 
 
 def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
@@ -353,49 +387,23 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
     if not isinstance(tensors, bool):
         raise ValueError(f"tensors must be a bool, got {tensors!r}")
     path = Path(path)
-    root = _open(path)
-    try:
-        with root:
-            encoding = root.attrs.get("encoding-type")
-            if encoding != ROOT_ENCODING:
-                raise ShardFormatError(
-                    f"{path}: HDF5 file of another layout (root encoding-type {encoding!r}, expected "
-                    f"{ROOT_ENCODING!r}); not a tl_dist shard"
-                )
-            version = int(root.attrs.get("schema_version", -1))
-            if version > SCHEMA_VERSION:
-                raise ShardFormatError(
-                    f"{path}: written with shard schema version {version}, this tl_dist reads up to "
-                    f"{SCHEMA_VERSION}; upgrade tl_dist to read it"
-                )
-            if version < 1 or root.attrs.get("encoding-version") != ENCODING_VERSION:
-                raise ShardFormatError(f"{path}: unknown schema/encoding version {version}")
-            metadata = json.loads(root.attrs["metadata"])
-            failed_op = json.loads(root.attrs["failed_op"])
-            # The shared string table, read once for all tables (absent only in a shard without strings).
-            strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
-            filled: list[str] = []  # columns of fields newer than the shard's writer
-            columns = read_table(root, "ops", OP_FIELDS, strings=strings, filled=filled)
-            module_table = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings, filled=filled)
-            collective_table = read_table(
-                root, "collectives", COLLECTIVE_FIELDS, strings=strings, filled=filled
-            )
-            out_of = read_table(root, "output_of", _OUTPUT_OF_FIELDS, strings=strings)
-            out_trees, output = _read_trees(root, strings)
-            stats_table = (
-                read_table(root, "stats", STAT_FIELDS, strings=strings, filled=filled)
-                if "stats" in root
-                else None
-            )
-            saved: Mapping[int, list] = {}
-            grads: Mapping[int, list] = {}
-            if tensors:
-                saved = LazyTensors(path, "saved", _tensor_index(root, "saved", columns))
-                grads = LazyTensors(path, "grads", _tensor_index(root, "grads", columns))
-    except ShardFormatError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure to decode is a format problem of this file
-        raise ShardFormatError(f"{path}: corrupt or incomplete shard: {type(exc).__name__}: {exc}") from exc
+    with open_shard(path) as (root, metadata, failed_op, strings):
+        filled: list[str] = []  # columns of fields newer than the shard's writer
+        columns = read_table(root, "ops", OP_FIELDS, strings=strings, filled=filled)
+        module_table = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings, filled=filled)
+        collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings, filled=filled)
+        out_of = read_table(root, "output_of", _OUTPUT_OF_FIELDS, strings=strings)
+        out_trees, output = _read_trees(root, strings)
+        stats_table = (
+            read_table(root, "stats", STAT_FIELDS, strings=strings, filled=filled)
+            if "stats" in root
+            else None
+        )
+        saved: Mapping[int, list] = {}
+        grads: Mapping[int, list] = {}
+        if tensors:
+            saved = LazyTensors(path, "saved", _tensor_index(root, "saved", columns))
+            grads = LazyTensors(path, "grads", _tensor_index(root, "grads", columns))
     if filled:
         metadata["filled_columns"] = filled
     trace = Trace(
