@@ -13,6 +13,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten
 
+from ._common import TAG
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
 _LEAF_SPEC = tree_flatten(torch.empty(0))[1]
@@ -153,9 +154,9 @@ class ModuleTracker:
             if mod is None:
                 continue
             for t in (*mod._parameters.values(), *mod._buffers.values()):
-                tag = getattr(t, "_tl_src", None)
+                tag = getattr(t, TAG, None)
                 if tag is not None and tag[0] == token:
-                    del t._tl_src
+                    delattr(t, TAG)
 
     def live_module(self, address: str) -> torch.nn.Module | None:
         """The module object behind ``address`` if it is still alive."""

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from ._common import OWN_DIR as _OWN_DIR
+from ._common import TAG as _TAG
+from ._common import TORCH_DIR as _TORCH_DIR
 from ._modules import ModuleTracker
 from ._opinfo import _CACHE as _OPINFO_CACHE
 from ._opinfo import flop_count, mutated_tensors, op_info
@@ -28,13 +31,10 @@ Tensor = torch.Tensor
 _perf_ns = time.perf_counter_ns
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
-_TAG = "_tl_src"
 # Row values are plain tuples of ints and strs (shapes as tuples, not torch.Size; an int capture token in tags)
 # so that CPython's GC untracks them: a long capture then leaves no pile of containers for a full collection.
 _TOKENS = itertools.count(1)
 
-_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
-_OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
 _MODULE_MACHINERY = torch.nn.modules.module.__file__
 # Frames that are never "the user's code": torch and tl_dist themselves, the standard library (contextlib and
 # functools wrappers around torch calls), and typing_extensions' @deprecated wrapper torch puts on some APIs.

@@ -49,11 +49,13 @@ from typing import Any
 
 import torch
 
+from ._common import OWN_DIR as _OWN_DIR
+from ._common import TAG as _TAG
+from ._common import TORCH_DIR as _TORCH_DIR
 from .schema import COLLECTIVE_FIELDS, field_names
 
 Tensor = torch.Tensor
 _perf_ns = time.perf_counter_ns
-_TAG = "_tl_src"  # the recorder's tensor tag (see _recorder); repeated here to avoid an import cycle
 _COLUMN = {name: i for i, name in enumerate(field_names(COLLECTIVE_FIELDS))}
 P2P = frozenset({"send", "recv"})
 
@@ -503,8 +505,6 @@ def _first_reader_ends(
     return found
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(__file__) + os.sep
 # Frames between the dispatcher and this module: ours, and torch's wrappers around __torch_dispatch__.
 _PLUMBING = (_OWN_DIR, _TORCH_DIR + "_dynamo" + os.sep, _TORCH_DIR + "_compile.py")
 # Who calls into the dispatcher when DDP all-reduces a bucket: its C++ reducer, inside the autograd engine
