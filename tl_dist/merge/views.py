@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..schema import OP_FIELDS
+
 if TYPE_CHECKING:
     from .graph import MergedTrace
 
@@ -81,9 +83,9 @@ def ops_frame(g: MergedTrace) -> Any:
     if not frames:
         return pd.DataFrame()
     out = pd.concat(frames, ignore_index=True)
-    for name in ("label", "func", "aten", "kind", "phase", "module", "dtype", "device", "source"):
-        if name in out:
-            out[name] = out[name].astype("category")
+    for f in OP_FIELDS:  # concat turns per-rank categoricals with different categories into objects
+        if f.kind == "str":
+            out[f.name] = out[f.name].astype("category")
     return out
 
 
