@@ -6,9 +6,35 @@ STAMP := $(VENV)/.tl_dist-installed
 CONSTRAINTS := .ci/constraints.txt
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test lint format bench install
+# Debian packages the tests and the demo use, as program:package. `make` installs the missing ones when it
+# can (root, or passwordless sudo, with apt-get); otherwise it prints the command and carries on: drawing
+# then says how to get Graphviz, and tests that need a program skip with the reason (tests/external.py).
+SYSTEM_TOOLS := dot:graphviz h5dump:hdf5-tools
 
-install: $(STAMP)
+.PHONY: demo test lint format bench install system-packages
+
+install: system-packages $(STAMP)
+
+system-packages:
+	@missing=""; \
+	for pair in $(SYSTEM_TOOLS); do \
+	    command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	[ -n "$$missing" ] || exit 0; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else sudo=no; fi; \
+	if [ "$$sudo" != no ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing system packages:$$missing"; \
+	    $$sudo apt-get update -qq && \
+	    $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing \
+	        >/dev/null && exit 0; \
+	    echo "tl_dist: apt-get could not install$$missing; carrying on without them"; \
+	else \
+	    echo "tl_dist: optional system packages missing:$$missing; to get them run:"; \
+	    echo "    sudo apt-get install -y$$missing"; \
+	    echo "carrying on: tests that need them skip, drawing says how to get Graphviz"; \
+	fi
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,11 +43,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: install
 	$(PY) examples/demo.py
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --out runs/ddp-demo
 
-test: $(STAMP)
+test: install
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -75,7 +75,10 @@ def main() -> None:
         print()
         print("stragglers:")
         print(g.stragglers().to_string(index=False))
-        print(f"\nwrote {g.draw(str(out / 'merged.svg'))}")
+        try:
+            print(f"\nwrote {g.draw(str(out / 'merged.svg'))}")
+        except tl.MissingToolError as exc:
+            print(f"\nskipped merged.svg: {exc}")
         print(f"wrote {g.to_perfetto(out / 'merged.perfetto.json')} (open in https://ui.perfetto.dev)")
         print(f"wrote {g.save(out / 'merged.h5')} (tl.load_merged / tl-dist summary)")
     dist.destroy_process_group()

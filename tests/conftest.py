@@ -2,8 +2,54 @@ import os
 
 import pytest
 import torch
+from external import PACKAGES, have, missing_reason
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--needing",
+        default="",
+        help="run only the tests marked needs(TOOL) for one of these comma-separated tools",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "needs(*tools, optional=False): the test uses these external programs (tests/external.py); "
+        "skipped when one is missing unless optional=True (then it checks what it can without them)",
+    )
+
+
+def _needed(item) -> tuple[list[str], bool]:
+    tools, optional = [], True
+    for mark in item.iter_markers("needs"):
+        unknown = [t for t in mark.args if t not in PACKAGES]
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: needs() names unknown tools {unknown}")
+        tools += mark.args
+        optional = optional and mark.kwargs.get("optional", False)
+    return tools, optional
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = {t for t in config.getoption("--needing").split(",") if t}
+    if not wanted:
+        return
+    keep = [item for item in items if wanted & set(_needed(item)[0])]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
+
+def pytest_runtest_setup(item):
+    tools, optional = _needed(item)
+    if optional:
+        return
+    for tool in tools:
+        if not have(tool):
+            pytest.skip(missing_reason(tool))
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+from external import have
 from merge_synth import coll, make_trace, write_run
 
 from tl_dist.cli import main
@@ -33,12 +35,17 @@ def test_findings_give_exit_one_unless_no_fail(tmp_path):
     assert subprocess.run(cmd + ["--no-fail"], capture_output=True, timeout=120).returncode == 0
 
 
+@pytest.mark.needs("dot", optional=True)
 def test_export_draw_and_errors(tmp_path, capsys):
     run = _run(tmp_path)
     assert main(["export", str(run), "--perfetto", str(tmp_path / "t.json")]) == 0
     assert len(json.loads((tmp_path / "t.json").read_text())["traceEvents"]) > 4
-    assert main(["draw", str(run), "-o", str(tmp_path / "g.svg")]) == 0
-    assert (tmp_path / "g.svg").read_text().count("<svg") == 1
+    if have("dot"):
+        assert main(["draw", str(run), "-o", str(tmp_path / "g.svg")]) == 0
+        assert (tmp_path / "g.svg").read_text().count("<svg") == 1
+    else:
+        assert main(["draw", str(run), "-o", str(tmp_path / "g.svg")]) == 2
+        assert "Install Graphviz" in capsys.readouterr().err and not (tmp_path / "g.svg").exists()
     assert main(["summary", str(tmp_path / "nope")]) == 2
     assert "nope: no such file" in capsys.readouterr().err
     (run / "rank00001" / "step00000000.h5").unlink()

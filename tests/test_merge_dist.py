@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
+from external import have
 
 import tl_dist as tl
 
@@ -218,6 +219,7 @@ def _every_kind(rank, world_size, out_dir):
     return {}
 
 
+@pytest.mark.needs("dot", optional=True)
 def test_clean_run_every_kind_ddp_fsdp2(tmp_path):
     run_ranks(_every_kind, world_size=2, tmp_path=tmp_path, timeout=120)
     g = tl.merge_ranks(tmp_path / "run")
@@ -243,8 +245,13 @@ def test_clean_run_every_kind_ddp_fsdp2(tmp_path):
     flows = [e for e in events if e["ph"] in ("s", "t", "f")]
     assert sorted(e["ph"] for e in flows) == sorted(["s", "f"] * len(frame))
     assert sum(1 for e in events if e["ph"] == "X") == sum(len(t) for t in g.traces().values())
-    svg = open(g.draw(str(tmp_path / "g.svg"))).read()
-    assert "rank 0 step 2" in svg and "rank 1 step 3" in svg
+    from tl_dist.merge.draw import merged_source
+
+    source = merged_source(g)
+    assert "rank 0 step 2" in source and "rank 1 step 3" in source
+    if have("dot"):
+        svg = open(g.draw(str(tmp_path / "g.svg"))).read()
+        assert "rank 0 step 2" in svg and "rank 1 step 3" in svg
 
 
 def _straggler(rank, world_size, out_dir, shift_ns):
@@ -290,6 +297,7 @@ def test_straggler_and_clock_shift(tmp_path):
     assert g.collectives.skew_ns[4:].max() < 150e6
 
 
+@pytest.mark.needs("dot", optional=True)
 def test_train_ddp_example_under_torchrun(tmp_path):
     """The `make demo` job: 2 ranks under torchrun, DDP, captured windows, then rank 0 merges."""
     import subprocess
@@ -308,7 +316,11 @@ def test_train_ddp_example_under_torchrun(tmp_path):
     g = tl.load_merged(out / "merged.h5")
     assert g.findings == [] and g.steps == [2, 4]
     assert g.stragglers().groupby("step").head(1)["rank"].tolist() == [1, 1]  # rank 1 sleeps each step
-    assert (out / "merged.svg").stat().st_size > 1000 and (out / "merged.perfetto.json").stat().st_size > 1000
+    assert (out / "merged.perfetto.json").stat().st_size > 1000
+    if have("dot"):
+        assert (out / "merged.svg").stat().st_size > 1000
+    else:  # the demo carries on without Graphviz and says how to get the picture
+        assert not (out / "merged.svg").exists() and "apt-get install graphviz" in proc.stdout
 
 
 def _line(text: str) -> int:

@@ -1,18 +1,19 @@
 """Views of a trace: summary text, Graphviz drawing (clusters, depth collapsing, errors) and to_pandas."""
 
 import re
-import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+from external import have
 from torch import nn
 
 import tl_dist as tl
 from tl_dist.schema import OP_FIELDS, field_names
+from tl_dist.views.draw import graph_source
 from tl_dist.views.summary import format_count, format_ns, module_rows
 
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
+needs_dot = pytest.mark.needs("dot")
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -219,7 +220,6 @@ def test_draw_without_dot_says_to_install_graphviz(trace, tmp_path, monkeypatch)
 
 def test_draw_source_of_a_long_chain_of_blocks():
     # 400 blocks of (Linear, ReLU): 1200 ops, 1201 module calls. Timing lives in benchmarks/bench_trace.py.
-    from tl_dist.views.draw import graph_source
 
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(400)])
     with torch.no_grad():
@@ -301,7 +301,6 @@ def test_draw_capture_window_puts_ops_outside_modules_at_top_level(tmp_path):
     root = ET.parse(tmp_path / "w.svg").getroot()
     clusters = [g for g in root.iter(SVG + "g") if g.get("class") == "cluster"]
     # SVG clusters are drawn as boxes, not containers: check membership on the DOT side instead.
-    from tl_dist.views.draw import graph_source
 
     source = graph_source(t)
     inside = source[
@@ -313,6 +312,7 @@ def test_draw_capture_window_puts_ops_outside_modules_at_top_level(tmp_path):
     assert len(clusters) == 1
 
 
+@pytest.mark.needs("dot", optional=True)
 def test_summary_and_draw_of_a_loaded_shard_read_no_tensor(trace, tmp_path):
     from tl_dist.store import LazyTensors, write_shard
 
@@ -325,7 +325,8 @@ def test_summary_and_draw_of_a_loaded_shard_read_no_tensor(trace, tmp_path):
     expected = trace.summary(top=3)
     assert text.splitlines()[0] == expected.splitlines()[0]
     assert text.splitlines()[1:] == expected.splitlines()[1:]
-    if shutil.which("dot"):
+    assert graph_source(loaded, depth=1) == graph_source(trace, depth=1)
+    if have("dot"):
         mem = _svg_groups(trace.draw(tmp_path / "mem.svg", depth=1))
         disk = _svg_groups(loaded.draw(tmp_path / "disk.svg", depth=1))
         assert mem == disk

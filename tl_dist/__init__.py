@@ -8,7 +8,7 @@ Example:
 
 from .arm import arm, disarm, should_capture
 from .capture import Capture, capture, trace
-from .errors import MergeError, SchemaError, ShardFormatError, TlDistError, ValidationError
+from .errors import MergeError, MissingToolError, SchemaError, ShardFormatError, TlDistError, ValidationError
 from .merge import MergedTrace, load_merged, merge_ranks
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
@@ -22,6 +22,7 @@ __all__ = [
     "MODULE_CALL_FIELDS",
     "MergeError",
     "MergedTrace",
+    "MissingToolError",
     "ModuleCall",
     "OP_FIELDS",
     "Op",

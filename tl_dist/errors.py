@@ -21,3 +21,7 @@ class MergeError(TlDistError):
 
 class ValidationError(TlDistError):
     """``Trace.validate(raise_on_mismatch=True)`` found ops whose replay does not reproduce the saved output."""
+
+
+class MissingToolError(TlDistError):
+    """An external program tl_dist calls (Graphviz's ``dot``) is not installed; the message says how to get it."""

@@ -8,7 +8,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from ..views.draw import graph_source
+from ..views.draw import check_draw_options, graph_source, render
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -96,22 +96,5 @@ def merged_source(g: MergedTrace, *, depth: int | None = 1) -> str:
 def draw(g: MergedTrace, path: str | os.PathLike, *, format: str = "svg", depth: int | None = 1) -> str:
     """Lay out :func:`merged_source` with Graphviz's ``dot`` and write ``path`` (see ``trace.draw`` for
     ``format`` and ``depth``). Returns ``path``."""
-    import graphviz
-
-    from ..errors import TlDistError
-
-    if not isinstance(format, str) or format not in graphviz.FORMATS:
-        raise ValueError(f"format must be a Graphviz output format such as 'svg' or 'png', got {format!r}")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ValueError(f"depth must be None or a non-negative int, got {depth!r}")
-    source = merged_source(g, depth=depth)
-    try:
-        data = graphviz.pipe("dot", format, source.encode())
-    except graphviz.ExecutableNotFound as exc:
-        raise TlDistError("Graphviz's `dot` executable was not found on PATH; install Graphviz") from exc
-    except graphviz.CalledProcessError as exc:
-        raise TlDistError(f"Graphviz failed to lay out the merged graph: {exc}") from exc
-    path = os.fspath(path)
-    with open(path, "wb") as fh:
-        fh.write(data)
-    return path
+    check_draw_options(format, depth)
+    return render(merged_source(g, depth=depth), path, format=format)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import graphviz
 
-from ..errors import TlDistError
+from ..errors import MissingToolError, TlDistError
 from .summary import format_count, format_ns, format_shape
 
 if TYPE_CHECKING:
@@ -163,13 +163,23 @@ def draw(trace: Trace, path: str | os.PathLike, *, format: str = "svg", depth: i
 
     Raises:
         ValueError: ``format`` is not a Graphviz format, or ``depth`` is not None or a non-negative int.
-        TlDistError: Graphviz's ``dot`` executable is not installed, or it failed.
+        MissingToolError: Graphviz's ``dot`` executable is not installed (nothing is written).
+        TlDistError: ``dot`` failed.
 
     Example:
         >>> trace = tl.trace(model, x)
         >>> trace.draw("out/graph.svg", depth=2)
         'out/graph.svg'
     """
+    check_draw_options(format, depth)
+    return render(graph_source(trace, depth=depth), path, format=format)
+
+
+GRAPHVIZ_HINT = "apt-get install graphviz, brew install graphviz or conda install graphviz"
+
+
+def check_draw_options(format: str, depth: int | None) -> None:
+    """The checks ``trace.draw`` and ``g.draw`` share: a Graphviz format and a module depth."""
     if not isinstance(format, str) or format not in graphviz.FORMATS:
         raise ValueError(
             f"format must be a Graphviz output format such as 'svg', 'png' or 'pdf'; got {format!r} "
@@ -177,16 +187,24 @@ def draw(trace: Trace, path: str | os.PathLike, *, format: str = "svg", depth: i
         )
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
         raise ValueError(f"depth must be None or a non-negative int (module nesting level), got {depth!r}")
+
+
+def render(source: str, path: str | os.PathLike, *, format: str) -> str:
+    """Lay out DOT ``source`` with Graphviz's ``dot`` and write exactly ``path``; returns ``path``.
+
+    Raises:
+        MissingToolError: ``dot`` is not on PATH (nothing is written).
+        TlDistError: ``dot`` failed.
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     path = os.fspath(path)
-    source = graph_source(trace, depth=depth)
     try:
         data = graphviz.pipe("dot", format, source.encode())
     except graphviz.ExecutableNotFound as exc:
-        raise TlDistError(
-            "Graphviz's `dot` executable was not found on PATH; trace.draw() needs it. Install Graphviz "
-            "(apt-get install graphviz, brew install graphviz or conda install graphviz) and retry."
+        raise MissingToolError(
+            f"Graphviz's `dot` executable was not found on PATH; drawing needs it. Install Graphviz "
+            f"({GRAPHVIZ_HINT}) and retry."
         ) from exc
     except graphviz.CalledProcessError as exc:
         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
