@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._stacks import frame_stack, traceback_stack
 from .selectors import check_selection
 from .store.options import ShardOptions
 
@@ -50,10 +51,20 @@ def _run_metadata() -> dict[str, Any]:
         "world_size": world,
         "backend": backend,
         "host": socket.gethostname(),
+        # Same host and boot: one clock. The merge then takes offset 0 instead of estimating one.
+        "boot_id": _boot_id(),
         "pid": os.getpid(),
         "torch_version": str(torch.__version__),
         "start_time_ns": time.time_ns(),
     }
+
+
+def _boot_id() -> str:
+    """This kernel boot's id (Linux); '' where there is none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 class Armed:
@@ -94,6 +105,7 @@ class Window:
         armed.windows += 1
         self.step = step if step is not None else self.number
         self.path = armed.shard_path(self.step)
+        self.thread = threading.get_ident()  # the thread that runs the window: its stack goes in post-mortems
 
     def metadata(self, *, complete: bool, reason: str) -> dict[str, Any]:
         meta = dict(self.armed.metadata)
@@ -109,6 +121,7 @@ class Window:
         meta = self.metadata(complete=complete, reason=reason)
         if exc is not None:
             meta["error"] = f"{type(exc).__name__}: {exc}"
+            meta.update(traceback_stack(exc.__traceback__))
         trace = capture.trace
         trace.metadata.update(meta)
         try:
@@ -284,9 +297,10 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
     recorder = getattr(cap, "_recorder", None)
     if window is None or recorder is None:
         return None
-    if frame is None and threading.current_thread() is not threading.main_thread():
-        # From the watcher thread: the main thread's stack tells which op it is stuck in.
-        frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None or threading.get_ident() != window.thread:
+        # From the watcher thread (or a handler on another thread): the window's thread's stack tells which
+        # op it is stuck in.
+        frame = sys._current_frames().get(window.thread)
     if not _writing.acquire(blocking=False):
         return None  # a second signal while writing: the first write wins
     try:
@@ -299,6 +313,7 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
             if trace.failed_op is None:
                 trace.failed_op = _in_flight(frame)
             meta = window.metadata(complete=False, reason=reason)
+            meta.update(frame_stack(frame))
             trace.metadata.update(meta)
             return write_shard(trace, window.path, complete=False, options=state.shard)
     except Exception as exc:  # noqa: BLE001 - never raise out of a signal handler or atexit

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, treespec_dumps, treespec_loads
 from ..errors import ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, STAT_FIELDS, Field
 from ..trace import Trace
-from .codecs import ENCODING_VERSION, ShardOptions, StringTable, _tag, read_table, write_table
+from .codecs import ENCODING_VERSION, STR_DTYPE, ShardOptions, StringTable, _tag, read_table, write_table
 
 ROOT_ENCODING = "tl_dist.shard"
 _DEFAULT_OPTIONS = ShardOptions()
@@ -178,6 +178,8 @@ def write_shard(
     meta = dict(trace.metadata)
     meta.update(metadata or {})
     meta["complete"] = bool(complete)
+    # A post-mortem's stack (tl_dist._stacks) is a dataset of strings, one frame a line, not JSON in an attribute.
+    stack = meta.pop("stack", None)
     # pid and thread: a post-mortem written from tl_dist's signal watcher never shares a temporary name.
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
@@ -218,6 +220,10 @@ def write_shard(
                 _write_tensors(root, "grads", trace.grads, labels, options)
             write_table(root, "stats", STAT_FIELDS, trace.stats_table, options, strings=shared)
             shared[0].write(root, "strings", options)
+            if stack:
+                root.create_dataset(
+                    "stack", data=np.array([str(s) for s in stack], dtype=object), dtype=STR_DTYPE
+                )
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -354,6 +360,8 @@ def open_shard(path: Path) -> Iterator[tuple[h5py.File, dict[str, Any], Any, lis
             metadata = json.loads(root.attrs["metadata"])
             failed_op = json.loads(root.attrs["failed_op"])
             strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
+            if "stack" in root:
+                metadata["stack"] = root["stack"].asstr()[()].tolist()
             yield root, metadata, failed_op, strings
     except ShardFormatError:
         raise
