@@ -48,11 +48,14 @@ def coll(
     )
 
 
-def make_trace(rank, script, *, world_size=2, step=0, t0=1_000_000_000_000, complete=True):
+def make_trace(
+    rank, script, *, world_size=2, step=0, t0=1_000_000_000_000, complete=True, host="node0", metadata=None
+):
     """A trace whose ops are, per script entry: one compute op (``compute_ns`` long) then the collective.
 
     Collective ``issue``/``complete`` in each entry are absolute ns on this rank's clock when given; the
-    sequence number of each group counts from 1 in script order.
+    sequence number of each group counts from 1 in script order. ``host`` names the clock (host and boot id,
+    as an armed capture records them): ranks given the same one share a clock. ``metadata`` adds to the shard's.
     """
     rows = []
     ct = empty_columns(COLLECTIVE_FIELDS)
@@ -110,6 +113,7 @@ def make_trace(rank, script, *, world_size=2, step=0, t0=1_000_000_000_000, comp
     mods = {"address": [], "type": [], "call": [], "parent": [], "depth": [], "first_op": [], "end_op": []}
     mods.update(out_ops=[], out_pos=[])
     meta = {"rank": rank, "world_size": world_size, "step": step, "complete": complete}
+    meta.update(host=host, boot_id=f"boot-of-{host}", **(metadata or {}))
     return Trace(columns, mods, collective_table=ct, metadata=meta)
 
 

@@ -13,11 +13,15 @@ from tl_dist.merge import merge_ranks
 A, B, C = "train.py:10", "train.py:11", "train.py:12"
 
 
+# What post-mortem shards say about how their window ended (as tl.arm writes them).
+TIMEOUT = {"end_reason": "exception", "error": "RuntimeError: Timed out waiting 3000ms for send operation"}
+KILLED = {"end_reason": "SIGTERM", "stack_at": "/job/train.py:42 in time.sleep"}
+
+
 def _merge(tmp_path, scripts, **kw):
-    complete = kw.pop("complete", {})
-    t0s = kw.pop("t0", {})
+    ended = kw.pop("ended", {})  # rank -> how its (incomplete) shard ended
     traces = [
-        make_trace(r, s, world_size=len(scripts), complete=complete.get(r, True), t0=t0s.get(r, 10**12))
+        make_trace(r, s, world_size=len(scripts), complete=r not in ended, metadata=ended.get(r))
         for r, s in enumerate(scripts)
     ]
     write_run(tmp_path, traces)
@@ -95,38 +99,12 @@ def test_skipped_collective_is_missing_at_the_skipped_op(tmp_path):
     assert f.where[1]["last_source"] == C
 
 
-def test_skip_then_hang_reports_the_skip_as_primary(tmp_path):
-    # What a real run leaves: rank 0 then waits forever in C (issued), rank 1 went on and its shard is complete.
-    s0 = [coll(source=A), coll(source=B), coll(source=C, state="issued")]
-    s1 = [coll(source=A), coll(source=C)]
-    g = _merge(tmp_path, [s0, s1], complete={0: False})
-    kinds = [(f.kind, f.seq, f.primary) for f in g.findings]
-    assert kinds == [("missing", 2, True), ("not_completed", 2, False)]
-
-
 def test_swapped_order_is_one_order_finding(tmp_path):
     s0 = [coll(source=A), coll(source=B), coll(source=C)]
     s1 = [coll(source=B), coll(source=A), coll(source=C)]
     f = _only(_merge(tmp_path, [s0, s1]))
     assert f.kind == "order"
     assert {r: w["seq"] for r, w in f.where.items()} in ({0: 1, 1: 2}, {0: 2, 1: 1})
-
-
-def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
-    # Rank 0 waits in B; rank 1 never got there (its shard was written at the kill, incomplete).
-    s0 = [coll(source=A), coll(source=B, state="issued")]
-    s1 = [coll(source=A)]
-    f = _only(_merge(tmp_path, [s0, s1], complete={0: False, 1: False}))
-    assert (f.kind, f.seq, f.ranks) == ("not_completed", 2, (1,))
-    assert f.where[0]["state"] == "issued" and f.where[1]["absent"]
-    assert f.where[1]["last_label"] == "all_reduce_1"
-
-
-def test_hang_with_every_rank_inside_blames_the_stuck(tmp_path):
-    s0 = [coll(source=A), coll(source=B, state="issued")]
-    s1 = [coll(source=A), coll(source=B)]
-    f = _only(_merge(tmp_path, [s0, s1], complete={0: False}))
-    assert (f.kind, f.ranks) == ("not_completed", (0,)) and "never completed on rank(s) [0]" in f.message
 
 
 def test_missing_shard_strict_raises_and_lenient_reports(tmp_path):
@@ -170,69 +148,79 @@ def test_subgroups_on_four_ranks(tmp_path):
     assert sorted(set(g.collectives.group)) == [(0, 2), (1, 3)]
 
 
-def test_clock_offset_recovered_within_a_millisecond(tmp_path):
-    # Rank 1's clock runs 5 s + 123_456 ns ahead; completions jitter by up to 40 us.
-    shift = 5_000_123_456
-    jitter = [0, 40_000, -30_000, 10_000, 25_000, -5_000]
-    s0, s1 = [], []
-    for k, j in enumerate(jitter):
-        done = 10**12 + (k + 1) * 10_000_000
-        s0.append(coll(source=A, issue=done - 1_000_000, complete=done))
-        s1.append(coll(source=A, issue=done - 2_000_000 + shift, complete=done + shift + j))
-    g = _merge(tmp_path, [s0, s1])
-    assert g.findings == []
-    assert abs(g.offsets[1] - shift) < 1_000_000
-    assert g.offsets[0] == 0
-    aligned = g.to_pandas()
-    first = aligned[aligned.func == "all_reduce"].groupby("rank").aligned_start_ns.min()
-    assert abs((first[0] - first[1]) - 1_000_000) < 1_000_000  # rank 1 issued 1 ms earlier on true time
-
-
-def test_straggler_named_first_and_waits_reflect_sleep(tmp_path):
-    sleep = 200_000_000
-    s0, s1 = [], []
-    for k in range(4):
-        base = 10**12 + k * 1_000_000_000
-        done = base + sleep + 100_000
-        s0.append(coll(source=A, issue=base, complete=done))  # rank 0 waits for rank 1
-        s1.append(coll(source=A, issue=base + sleep, complete=done))
-    g = _merge(tmp_path, [s0, s1])
-    strag = g.stragglers()
-    assert list(strag["rank"]) == [1, 0]
-    assert strag.loc[0, "caused_wait_ns"] == 4 * sleep and strag.loc[0, "last_count"] == 4
-    assert strag.loc[1, "wait_ns"] == 4 * sleep and strag.loc[0, "wait_ns"] == 0
-    assert set(g.collectives.skew_ns) == {sleep}
-    tb = g.time_breakdown().set_index("rank")
-    assert tb.loc[0, "wait_ns"] == 4 * sleep and tb.loc[0, "comm_ns"] > tb.loc[1, "comm_ns"]
-
-
-def test_overlapping_async_waits_count_once(tmp_path):
-    # DDP-style: rank 1 issues three async bucket all-reduces 100 ms after rank 0, all in flight together.
-    # Rank 0 waited 100 ms of wall time, not 3 x 100 ms.
-    late = 100_000_000
-    base = 10**12
-    done = base + late + 5_000_000
-    s0 = [coll(source=src, issue=base + k, complete=done, is_async=True) for k, src in enumerate((A, B, C))]
-    s1 = [
-        coll(source=src, issue=base + late + k, complete=done, is_async=True)
-        for k, src in enumerate((A, B, C))
+def test_skip_then_hang_reports_the_skip_as_primary(tmp_path):
+    # What a real run leaves: rank 0 then waits forever in C (issued), rank 1 went on and its shard is complete.
+    s0 = [coll(source=A), coll(source=B), coll(source=C, state="issued")]
+    s1 = [coll(source=A), coll(source=C)]
+    g = _merge(tmp_path, [s0, s1], ended={0: TIMEOUT})
+    kinds = [(f.kind, f.seq, f.ranks, f.primary) for f in g.findings]
+    assert kinds == [
+        ("incomplete_shard", -1, (0,), True),
+        ("missing", 2, (1,), True),
+        ("not_completed", 2, (0,), False),
     ]
-    g = _merge(tmp_path, [s0, s1])
-    strag = g.stragglers().set_index("rank")
-    # wait intervals [base + k, base + late + k] for k = 0, 1, 2: their union is late + 2 ns (summed: 3 x late)
-    assert strag.loc[0, "wait_ns"] == late + 2 and strag.loc[1, "caused_wait_ns"] == late + 2
-    assert strag.loc[1, "last_count"] == 3 and strag.loc[1, "wait_ns"] == 0
-    tb = g.time_breakdown().set_index("rank")
-    assert tb.loc[0, "wait_ns"] == late + 2
+
+
+def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
+    # Rank 0 timed out waiting in B; rank 1 never got there: it was sleeping when SIGTERM wrote its shard.
+    s0 = [coll(source=A), coll(source=B, state="issued")]
+    s1 = [coll(source=A)]
+    g = _merge(tmp_path, [s0, s1], ended={0: TIMEOUT, 1: KILLED})
+    assert [(f.kind, f.ranks) for f in g.findings] == [
+        ("incomplete_shard", (0,)),
+        ("incomplete_shard", (1,)),
+        ("not_completed", (1,)),
+    ]
+    shard0, shard1, hang = g.findings
+    assert shard0.message == (
+        "rank 0's window ended early: exception (RuntimeError: Timed out waiting 3000ms for send operation)"
+    )
+    assert shard1.message == "rank 1's window ended early: SIGTERM; it was at /job/train.py:42 in time.sleep"
+    assert shard1.where[1]["last_label"] == "all_reduce_1"
+    assert hang.seq == 2 and hang.message == (
+        "all_reduce seq 2 of group [0, 1] at all_reduce_2 in <top> (train.py:11): issued but never completed on "
+        "rank(s) [0]; never reached by rank(s) [1] (incomplete shard); rank 1 never reached all_reduce_2: it was "
+        "at /job/train.py:42 in time.sleep; incomplete shards: rank 0 exception (RuntimeError: Timed out waiting "
+        "3000ms for send operation), rank 1 SIGTERM"
+    )
+    assert hang.where[0]["state"] == "issued" and hang.where[0]["end_reason"] == "exception"
+    assert hang.where[1]["absent"] and hang.where[1]["last_label"] == "all_reduce_1"
+    assert hang.where[1]["stack_at"] == "/job/train.py:42 in time.sleep"
+    assert g.incomplete == {(0, 0), (0, 1)}
+    text = g.summary()
+    assert "rank 1 never reached all_reduce_2: it was at /job/train.py:42 in time.sleep" in text
+
+
+def test_hang_with_every_rank_inside_blames_the_stuck(tmp_path):
+    s0 = [coll(source=A), coll(source=B, state="issued")]
+    s1 = [coll(source=A), coll(source=B)]
+    g = _merge(tmp_path, [s0, s1], ended={0: TIMEOUT})
+    assert [(f.kind, f.ranks) for f in g.findings] == [("incomplete_shard", (0,)), ("not_completed", (0,))]
+    assert "never completed on rank(s) [0]" in g.findings[1].message
 
 
 def test_disagreement_is_the_cause_when_the_collective_then_failed(tmp_path):
     # Both ranks issued something at seq 2 and neither completed: the different kinds are the finding.
     s0 = [coll(source=A), coll("all_reduce", source=B, state="issued")]
     s1 = [coll(source=A), coll("broadcast", source=B, state="issued")]
-    f = _only(_merge(tmp_path, [s0, s1], complete={0: False, 1: False}))
-    assert (f.kind, f.seq) == ("type_mismatch", 2)
-    assert "never completed on rank(s) [0, 1]" in str(f)
+    g = _merge(tmp_path, [s0, s1], ended={0: TIMEOUT, 1: TIMEOUT})
+    assert [(f.kind, f.seq) for f in g.findings] == [
+        ("incomplete_shard", -1),
+        ("incomplete_shard", -1),
+        ("type_mismatch", 2),
+    ]
+    assert "never completed on rank(s) [0, 1]" in str(g.findings[2])
+
+
+def test_missing_rank_names_the_last_step_it_wrote(tmp_path):
+    # Rank 1 wrote steps 10 and 20, then died by SIGKILL inside step 30: no shard, no post-mortem.
+    traces = [make_trace(r, [coll(source=A)], step=s) for s in (10, 20, 30) for r in range(2)]
+    write_run(tmp_path, [t for t in traces if (t.metadata["rank"], t.metadata["step"]) != (1, 30)])
+    g = merge_ranks(tmp_path, strict=False)
+    f = _only(g)
+    assert (f.kind, f.step, f.ranks) == ("missing_rank", 30, (1,))
+    assert f.message.startswith("no shard for rank 1 of 2 (its last shard is step 20)")
+    assert f.where == {1: {"absent": True, "last_step": 20}}
 
 
 def test_bad_arguments(tmp_path):
@@ -261,19 +249,3 @@ def test_progress_bar_and_multiple_steps(tmp_path, capsys):
     assert g.rank(1, step=20).metadata["step"] == 20
 
 
-def test_offsets_chain_through_pairwise_groups(tmp_path):
-    # Ranks 0-1, 1-2 and 2-3 share collectives, 0 and 3 never do: rank 3's offset comes through the chain.
-    shifts = [0, 7_000_000, -3_000_000, 11_000_000]
-    scripts: list[list] = [[] for _ in range(4)]
-    for k in range(5):
-        for a in range(3):
-            done = 10**12 + (k * 3 + a + 1) * 1_000_000
-            for r in (a, a + 1):
-                scripts[r].append(
-                    coll(
-                        source=A, group=(a, a + 1), issue=done - 50_000 + shifts[r], complete=done + shifts[r]
-                    )
-                )
-    g = _merge(tmp_path, scripts)
-    assert g.findings == []
-    assert g.offsets == {r: s for r, s in enumerate(shifts)}

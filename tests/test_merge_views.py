@@ -9,41 +9,68 @@ from merge_synth import coll, make_trace, write_run
 import tl_dist as tl
 
 A, B = "train.py:10", "train.py:11"
-SHIFT = 2_000_000_000  # rank 1's clock runs 2 s ahead
+SHIFT = 2_000_000_000  # rank 1 runs on another host whose clock is 2 s ahead
 
 
 @pytest.fixture
 def merged(tmp_path):
+    # True times, per all_reduce k (T = its base): who arrives when, and the instant both complete.
+    #   k=0: rank 0 at T, rank 1 at T+3 ms (last); done T+3.010 ms
+    #   k=1: rank 1 at T, rank 0 at T+1 ms (last); done T+1.030 ms
+    #   k=2: as k=0
+    # Causality bounds on offset(1) - offset(0) - SHIFT: <= min(done - rank 0's arrival) = 30 us (k=1);
+    # >= max(rank 1's arrival - done) = -10 us (k=0, 2). Midpoint SHIFT + 10 us, half-width 20 us.
     s0, s1 = [], []
-    for k in range(3):
-        done = 10**12 + (k + 1) * 10_000_000
-        s0.append(coll(source=A, issue=done - 3_000_000, complete=done))
-        s1.append(coll(source=A, issue=done - 1_000_000 + SHIFT, complete=done + SHIFT))
+    arrivals = [(0, 3_000_000, 3_010_000), (1_000_000, 0, 1_030_000), (0, 3_000_000, 3_010_000)]
+    for k, (a0, a1, done) in enumerate(arrivals):
+        base = 10**12 + (k + 1) * 10_000_000
+        s0.append(coll(source=A, issue=base + a0, complete=base + done))
+        s1.append(coll(source=A, issue=base + a1 + SHIFT, complete=base + done + SHIFT))
     s0.append(coll(source=B, numel=4))
     s1.append(coll(source=B, numel=8))
-    write_run(tmp_path / "run", [make_trace(0, s0), make_trace(1, s1, t0=10**12 + SHIFT)])
+    write_run(tmp_path / "run", [make_trace(0, s0), make_trace(1, s1, t0=10**12 + SHIFT, host="node1")])
     return tl.merge_ranks(tmp_path / "run")
+
+
+OFFSET = SHIFT + 10_000
 
 
 def test_tables(merged):
     g = merged
-    assert g.offsets == {0: 0, 1: SHIFT}
+    assert g.offsets == {(0, 0): 0, (0, 1): OFFSET}
+    clocks = g.clocks
+    assert list(clocks.columns) == [
+        "step",
+        "rank",
+        "host",
+        "offset_ns",
+        "uncertainty_ns",
+        "method",
+        "collectives",
+        "reference",
+    ]
+    assert clocks.values.tolist() == [
+        [0, 0, "node0", 0, 0, "same-host", 3, 0],
+        [0, 1, "node1", OFFSET, 20_000, "estimated", 3, 0],
+    ]
     ops = g.to_pandas()
     assert len(ops) == len(g.rank(0)) + len(g.rank(1)) == 16
     assert list(ops.columns[:3]) == ["step", "rank", "aligned_start_ns"]
-    assert (ops.aligned_start_ns == ops.start_ns - ops["rank"].map(g.offsets)).all()
+    assert (ops.aligned_start_ns == ops.start_ns - ops["rank"].map({0: 0, 1: OFFSET})).all()
     coll_frame = g.collectives
     assert list(coll_frame.verdict) == ["matched"] * 3 + ["size_mismatch"]
-    # rank 0 arrives 3 ms before completion, rank 1 1 ms before: skew 2 ms, rank 1 last.
-    assert list(coll_frame.skew_ns[:3]) == [2_000_000] * 3 and list(coll_frame.last_rank[:3]) == [1, 1, 1]
+    # Aligned arrivals: rank 1's are 10 us earlier than true; k=0: 3 ms - 10 us, k=1: 1 ms + 10 us.
+    assert list(coll_frame.skew_ns[:3]) == [2_990_000, 1_010_000, 2_990_000]
+    assert list(coll_frame.last_rank[:3]) == [1, 0, 1]
+    assert list(coll_frame.uncertainty_ns[:3]) == [20_000] * 3
     assert list(coll_frame.bytes) == [16, 16, 16, 32]
 
 
 def test_summary_names_finding_and_straggler(merged):
     text = merged.summary()
     assert "size_mismatch" in text and "train.py:11" in text
-    assert "rank 1 2000.000" in text  # the clock offset, ms
-    assert "step 0: rank 1 6.000" in text  # 3 collectives x 2 ms caused
+    assert "step 0: rank 1 2000.010 +- 0.020 vs rank 0 (3)" in text  # the clock offset, ms
+    assert "step 0: rank 1 5.980 (1.010), rank 0 1.010 (5.980)" in text  # 2 x 2.99 ms caused; 1.01 ms
 
 
 def test_perfetto_json(merged, tmp_path):

@@ -1,22 +1,29 @@
 """``tl.merge_ranks``: the per-rank shards of a job joined into one global trace (:class:`MergedTrace`).
 
+The merge streams: it reads one step's shards at a time, keeps of each only its collectives and a few numbers
+(:mod:`.sources`), joins, judges, aligns and times that step (:mod:`.steps`), keeps the step's small result tables
+and drops its per-member records. Views that need more (``g.joined``, ``g.rank(r)``, ``to_pandas``, Perfetto)
+read the shards again, one at a time where they can.
+
 Example:
     >>> g = tl.merge_ranks("runs/job42")
-    >>> g.findings, g.stragglers(), g.collectives, g.to_perfetto("job42.json")
+    >>> g.findings, g.clocks, g.stragglers(), g.collectives, g.to_perfetto("job42.json")
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MergeError
-from .clocks import estimate_offsets
-from .match import Finding, Joined, entries_of, match_step
-from .sources import ShardRef, find_shards, read_all
-from .timing import collective_timing, straggler_rows, time_breakdown
+from ..errors import MergeError, TlDistError
+from .clocks import ClockSolution
+from .match import Finding, Joined
+from .sources import Interner, RankData, ShardSource, check_subset, find_shards
+from .steps import analyse_step, join_step
+from .timing import collective_timing
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -25,16 +32,16 @@ if TYPE_CHECKING:
 class MergedTrace:
     """The traces of all ranks (and steps) of a job, with collectives joined across ranks.
 
-    Built by :func:`merge_ranks` or :func:`load_merged`; the constructor does no I/O. Times in every view are
-    aligned to the lowest rank's clock (``offsets``).
+    Built by :func:`merge_ranks` or :func:`load_merged`. Times in every view are aligned per step to each rank's
+    reference clock (``clocks``).
 
     Attributes:
         world_size: ranks in the job.
-        steps: captured steps, ascending.
-        findings: problems found (:class:`~tl_dist.merge.match.Finding`), in step, group and issue order.
-        joined: every collective joined across ranks (:class:`~tl_dist.merge.match.Joined`).
-        offsets: per rank, its clock minus the reference clock, in ns.
+        steps: captured steps merged, ascending.
+        findings: problems found (:class:`~tl_dist.merge.match.Finding`): per step, the shard-level ones
+            (``missing_rank``, ``unreadable_shard``, ``incomplete_shard``) first, then per group in issue order.
         incomplete: (step, rank) pairs whose shard was written at a crash, hang or signal.
+        shard_errors: (step, rank) -> why that shard could not be read (``strict=False``).
 
     Example:
         >>> g = tl.merge_ranks("runs/job42")
@@ -43,57 +50,63 @@ class MergedTrace:
 
     def __init__(
         self,
-        traces: dict[tuple[int, int], Trace],
+        source: Any,
         *,
         world_size: int,
-        joined: list[Joined],
-        findings: list[Finding],
-        offsets: dict[int, int],
-        incomplete: set[tuple[int, int]],
+        data: dict[tuple[int, int], RankData],
+        results: list[Any],
         shard_errors: dict[tuple[int, int], str],
+        absent: dict[int, set[int]],
+        expected: list[int],
+        written: dict[int, list[int]],
     ) -> None:
-        self._traces = traces  # full Traces, or the merge's ShardTables (full trace loaded on demand)
-        self._full: dict[tuple[int, int], Trace] = {}
+        self._source = source
+        self.expected_ranks = expected  # the ranks merged (the world, or ranks=)
+        self.written = written  # per rank, every step it has a shard for
+        self._data = data  # per (step, rank): RankData without its entries
+        self._absent = absent
         self.world_size = world_size
-        self.steps = sorted({s for s, _ in traces} | {s for s, _ in shard_errors})
-        self.joined = joined
-        self.findings = findings
-        self.offsets = offsets
-        self.incomplete = incomplete
+        self.steps = [r.step for r in results]
+        self.findings: list[Finding] = [f for r in results for f in r.findings]
+        self.clock_solutions: dict[int, ClockSolution] = {r.step: r.clocks for r in results}
+        self._collective_rows = [row for r in results for row in r.collective_rows]
+        self._straggler_rows = [row for r in results for row in r.straggler_rows]
+        self._breakdown_rows = [row for r in results for row in r.breakdown_rows]
+        self.incomplete = {key for key, d in data.items() if not d.complete}
         self.shard_errors = shard_errors
-        self._timings: list[dict[str, Any]] | None = None
+        self._full: dict[tuple[int, int], Trace] = {}
+        self._joined: list[Joined] | None = None
 
     # -- access --------------------------------------------------------------------------------------------
     @property
     def ranks(self) -> list[int]:
         """Ranks with at least one readable shard, ascending."""
-        return sorted({r for _, r in self._traces})
+        return sorted({r for _, r in self._data})
+
+    def keys(self) -> list[tuple[int, int]]:
+        """The (step, rank) pairs with a readable shard, sorted."""
+        return sorted(self._data)
+
+    def metadata(self, step: int, rank: int) -> dict[str, Any]:
+        """The run metadata of that rank's shard for ``step`` (host, boot_id, end_reason, stack, ...)."""
+        return self._data[(step, rank)].metadata
 
     def rank(self, rank: int, *, step: int | None = None) -> Trace:
-        """That rank's :class:`~tl_dist.trace.Trace` (for ``step``; may be omitted when one step was captured).
+        """That rank's :class:`~tl_dist.trace.Trace` (for ``step``; may be omitted when one step was merged).
 
         Example:
             >>> g.rank(1)["all_reduce_1"].duration_ns
         """
         if step is None:
-            steps = sorted(s for s, r in self._traces if r == rank)
+            steps = sorted(s for s, r in self._data if r == rank)
             if len(steps) > 1:
                 raise ValueError(f"step: rank {rank} has shards for steps {steps}; pass step=")
             step = steps[0] if steps else None
         key = (step, rank)
-        if key not in self._traces:
+        if key not in self._data:
             raise KeyError(f"no readable shard for rank {rank} at step {step}; ranks: {self.ranks}")
-        return self._full_trace(key)
-
-    def _full_trace(self, key: tuple[int, int]) -> Trace:
-        from ..trace import Trace
-        from .sources import load_shard
-
-        tables = self._traces[key]
-        if isinstance(tables, Trace):
-            return tables
         if key not in self._full:
-            self._full[key] = load_shard(tables.path)
+            self._full[key] = self._source.trace(key)
         return self._full[key]
 
     def traces(self) -> dict[tuple[int, int], Trace]:
@@ -102,60 +115,100 @@ class MergedTrace:
         Example:
             >>> g.traces()[(100, 3)]["relu_1"].out
         """
-        return {key: self._full_trace(key) for key in sorted(self._traces)}
+        return {(s, r): self.rank(r, step=s) for s, r in self.keys()}
 
-    def tables(self) -> dict[tuple[int, int], Any]:
-        """Per (step, rank) what the merge read: op columns ``sources.MERGE_FIELDS`` (all columns when built
-        from full traces), the collective table, metadata and failed_op."""
-        return dict(self._traces)
+    def iter_traces(self, *, step: int | None = None) -> Iterable[tuple[tuple[int, int], Trace]]:
+        """((step, rank), full trace) one at a time (of ``step`` only, when given), none kept: for passes over
+        big runs."""
+        for key in self.keys():
+            if step is None or key[0] == step:
+                yield key, self._full.get(key) or self._source.trace(key)
+
+    def aligned_origin_ns(self) -> int:
+        """The earliest op start of any rank and step on aligned clocks (the zero of Perfetto's time axis)."""
+        offsets = self.offsets
+        starts = [d.first_ns - offsets.get(k, 0) for k, d in self._data.items() if d.n_ops]
+        return min(starts) if starts else 0
 
     def __repr__(self) -> str:
-        ops = sum(len(t) for t in self._traces.values())
+        ops = sum(d.n_ops for d in self._data.values())
         return (
             f"<MergedTrace {len(self.ranks)}/{self.world_size} ranks, {len(self.steps)} step(s), {ops} ops, "
-            f"{len(self.joined)} collectives, {len(self.findings)} findings>"
+            f"{len(self._collective_rows)} collectives, {len(self.findings)} findings>"
         )
 
-    # -- time ----------------------------------------------------------------------------------------------
+    # -- joined collectives ---------------------------------------------------------------------------------
+    def joined_step(self, step: int) -> list[Joined]:
+        """The joined collectives of one step (each member's record), rebuilt from its shards.
+
+        Example:
+            >>> [j.verdict for j in g.joined_step(100)]
+        """
+        if self._joined is not None:
+            return [j for j in self._joined if j.step == step]
+        names = Interner()
+        data = {r: self._source.read((s, r), names) for s, r in self.keys() if s == step}
+        return join_step(step, data, self._absent.get(step, set()))[0]
+
+    @property
+    def joined(self) -> list[Joined]:
+        """Every collective joined across ranks (:class:`~tl_dist.merge.match.Joined`), in the order of
+        ``collectives``. Rebuilt from the shards on first use and kept: it holds every member's record."""
+        if self._joined is None:
+            self._joined = [j for step in self.steps for j in self.joined_step(step)]
+        return self._joined
+
     @property
     def timings(self) -> list[dict[str, Any]]:
         """Aligned timing of each joined collective (same order as ``joined``): see ``timing.collective_timing``."""
-        if self._timings is None:
-            self._timings = [collective_timing(j, self.offsets) for j in self.joined]
-        return self._timings
+        return [collective_timing(j, self.clock_solutions[j.step]) for j in self.joined]
+
+    # -- time ----------------------------------------------------------------------------------------------
+    @property
+    def offsets(self) -> dict[tuple[int, int], int]:
+        """Per (step, rank), its clock minus its reference's, in ns (see ``clocks``)."""
+        return {(s, r): o for s, sol in self.clock_solutions.items() for r, o in sol.offsets.items()}
+
+    @property
+    def clocks(self) -> Any:
+        """Per (step, rank): host, offset_ns (its clock minus its reference rank's), uncertainty_ns (the true
+        offset lies within offset_ns +- uncertainty_ns; NA when not estimated), method (``same-host``: one clock,
+        offset 0 by construction; ``estimated``: from the causality bounds of matched collectives; ``none``:
+        not bounded both ways), collectives (used as evidence), reference.
+
+        Example:
+            >>> g.clocks.query("method == 'estimated'").uncertainty_ns.max()
+        """
+        from .views import clocks_frame
+
+        return clocks_frame(self)
 
     def stragglers(self) -> Any:
         """Ranks ordered, per step, by how long the others waited for them (most first).
 
         Columns: step, rank, caused_wait_ns (others' wait over the collectives this rank arrived at last),
-        last_count (collectives it arrived at last), wait_ns (its own wait for others). Waits are unions of
-        intervals, so async collectives in flight together count their common wait once.
+        last_count (collectives it arrived at last), wait_ns (its own wait for others), uncertain_wait_ns (its
+        waits no longer than the clock uncertainty: blamed on nobody). Only a lead larger than the clock
+        uncertainty between two ranks counts as a wait. Waits are unions of intervals, so async collectives in
+        flight together count their common wait once.
 
         Example:
             >>> g.stragglers().groupby("step").head(1)   # the worst straggler of each step
         """
         import pandas as pd
 
-        rows = straggler_rows(self.joined, self.timings)
-        frame = pd.DataFrame(rows, columns=["step", "rank", "caused_wait_ns", "last_count", "wait_ns"])
+        columns = ["step", "rank", "caused_wait_ns", "last_count", "wait_ns", "uncertain_wait_ns"]
+        frame = pd.DataFrame(self._straggler_rows, columns=columns)
         return frame.sort_values(
             ["step", "caused_wait_ns", "rank"], ascending=[True, False, True]
         ).reset_index(drop=True)
 
     def time_breakdown(self) -> Any:
-        """Per (step, rank): ops, compute_ns, comm_ns, wait_ns, window_ns (see ``timing.time_breakdown``)."""
+        """Per (step, rank): ops, compute_ns, comm_ns, wait_ns, window_ns (see ``timing.local_breakdown``)."""
         import pandas as pd
 
-        waits = {
-            (row["step"], row["rank"]): row["wait_ns"] for row in straggler_rows(self.joined, self.timings)
-        }
-        rows = [
-            time_breakdown(s, r, trace, waits.get((s, r), 0))
-            for (s, r), trace in sorted(self._traces.items())
-        ]
-        return pd.DataFrame(
-            rows, columns=["step", "rank", "ops", "compute_ns", "comm_ns", "wait_ns", "window_ns"]
-        )
+        columns = ["step", "rank", "ops", "compute_ns", "comm_ns", "wait_ns", "window_ns"]
+        return pd.DataFrame(self._breakdown_rows, columns=columns)
 
     # -- views ---------------------------------------------------------------------------------------------
     @property
@@ -167,7 +220,7 @@ class MergedTrace:
         """
         from .views import collectives_frame
 
-        return collectives_frame(self)
+        return collectives_frame(self._collective_rows)
 
     def to_pandas(self) -> Any:
         """All ops of all ranks: the schema's columns plus ``step``, ``rank`` and ``aligned_start_ns``.
@@ -180,7 +233,7 @@ class MergedTrace:
         return ops_frame(self)
 
     def summary(self) -> str:
-        """A readable report: ranks, collectives by verdict, findings, stragglers, compute vs communication."""
+        """A readable report: ranks, collectives by verdict, clocks, findings, stragglers, time per rank."""
         from .views import summary
 
         return summary(self)
@@ -220,59 +273,87 @@ class MergedTrace:
 
 
 def build(
-    traces: dict[tuple[int, int], Trace],
+    source: Any,
+    keys: list[tuple[int, int]],
     *,
     world_size: int,
-    incomplete: set[tuple[int, int]],
-    shard_errors: dict[tuple[int, int], str],
-    absent: dict[int, set[int]],
+    strict: bool,
+    expected: Iterable[int] | None = None,
+    shard_errors: dict[tuple[int, int], str] | None = None,
+    written: dict[int, list[int]] | None = None,
+    progress: bool = False,
 ) -> MergedTrace:
-    """Join and judge loaded traces (no I/O): the part of :func:`merge_ranks` after reading."""
-    steps = sorted({s for s, _ in traces} | set(absent))
-    joined: list[Joined] = []
-    findings: list[Finding] = []
-    for step in steps:
-        step_absent = absent.get(step, set())
-        for r in sorted(step_absent):
-            err = shard_errors.get((step, r))
-            if err is not None:
-                findings.append(Finding("unreadable_shard", step, (), -1, (r,), f"rank {r}: {err}"))
-            else:
-                findings.append(
-                    Finding("missing_rank", step, (), -1, (r,), f"no shard for rank {r} of {world_size}")
-                )
-        ranks = sorted(r for s, r in traces if s == step)
-        entries = {r: entries_of(r, traces[(step, r)]) for r in ranks}
-        last_op = {r: _last_op(traces[(step, r)]) for r in ranks}
-        step_incomplete = {r for s, r in incomplete if s == step}
-        j, f = match_step(step, entries, incomplete=step_incomplete, absent=step_absent, last_op=last_op)
-        joined.extend(j)
-        findings.extend(f)
-    offsets = estimate_offsets(joined, sorted({r for _, r in traces}))
+    """The streaming merge over ``source`` (``sources.ShardSource`` / ``MergedFileSource``): reads the shards
+    ``keys`` step by step and keeps each step's results (no I/O besides ``source.read``).
+
+    ``expected``: the ranks each step should have (default: the world); ``shard_errors``: shards already known
+    to be unreadable; ``written``: per rank, every step it has a shard for (for ``missing_rank``'s last step).
+
+    Raises:
+        MergeError: a shard of another world size, or (``strict``) one that cannot be read.
+    """
+    errors = dict(shard_errors or {})
+    expected = sorted(range(world_size) if expected is None else expected)
+    by_step: dict[int, list[int]] = {s: [] for s, _ in errors}
+    for s, r in sorted(keys):
+        by_step.setdefault(s, []).append(r)
+    names = Interner()
+    bar = _progress(len(keys)) if progress else None
+    results, data, absent = [], {}, {}
+    try:
+        for step in sorted(by_step):
+            step_data: dict[int, RankData] = {}
+            for rank in by_step[step]:
+                try:
+                    d = source.read((step, rank), names)
+                except TlDistError as exc:
+                    if strict:
+                        raise MergeError(
+                            f"cannot merge: {exc} (pass strict=False to merge the other shards)"
+                        ) from exc
+                    errors[(step, rank)] = str(exc)
+                    continue
+                finally:
+                    if bar is not None:
+                        bar.update()
+                world = d.metadata.get("world_size")
+                if world is not None and int(world) != world_size:
+                    raise MergeError(
+                        f"{source.name((step, rank))} says world size {world}, the run {world_size} (shards "
+                        "disagree on the world size: are they from one run?)"
+                    )
+                step_data[rank] = d
+            missing = {r for r in expected if r not in step_data}
+            if missing:
+                absent[step] = missing
+            result, _, _ = analyse_step(
+                step, step_data, absent=missing, errors=errors, world_size=world_size, written=written or {}
+            )
+            results.append(result)
+            for rank, d in step_data.items():
+                d.entries = None  # rebuilt from the shard when a view needs them
+                data[(step, rank)] = d
+    finally:
+        if bar is not None:
+            bar.close()
     return MergedTrace(
-        traces,
+        source,
         world_size=world_size,
-        joined=joined,
-        findings=findings,
-        offsets=offsets,
-        incomplete=incomplete,
-        shard_errors=shard_errors,
+        data=data,
+        results=results,
+        shard_errors=errors,
+        absent=absent,
+        expected=expected,
+        written=written or {},
     )
 
 
-def _last_op(trace: Trace) -> dict[str, Any]:
-    if not len(trace):
-        return {}
-    cols = trace.columns
-    i = len(trace) - 1
-    failed = trace.failed_op or {}
-    return {
-        "op": i,
-        "label": cols["label"][i],
-        "module": cols["module"][i],
-        "source": cols["source"][i],
-        **({"failed_func": failed.get("func"), "error": failed.get("error")} if failed else {}),
-    }
+def _progress(total: int) -> Any:
+    try:
+        from tqdm.auto import tqdm  # installed with lightning; optional here
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="reading shards", unit="shard", leave=False)
 
 
 def merge_ranks(
@@ -280,29 +361,35 @@ def merge_ranks(
     *,
     strict: bool = True,
     world_size: int | None = None,
+    steps: Iterable[int] | None = None,
+    ranks: Iterable[int] | None = None,
     progress: bool = False,
 ) -> MergedTrace:
     """Join the rank-local shards of a job into one :class:`MergedTrace`.
 
     Collectives are matched across ranks on (group ranks, sequence number) and judged (matched, type / size /
-    dtype mismatch, missing, order, not completed); clocks are aligned from matched collectives' completion
-    times. Full reference: ``docs/merge.md``.
+    dtype mismatch, missing, order, not completed); shards written at a crash, hang or signal are findings of
+    their own; clocks are aligned per step (same host and boot: offset 0; else causality bounds from matched
+    collectives). Shards are read one step at a time. Full reference: ``docs/merge.md``.
 
     Args:
         path_or_paths: a run directory (``DIR/rank{R}/step{S}.h5``, all steps) or a list of shard paths.
         strict: raise :class:`~tl_dist.errors.MergeError` when a shard is missing or unreadable; False merges
             the rest and reports ``missing_rank`` / ``unreadable_shard`` findings.
         world_size: ranks the job had; default: what the shards' metadata say.
+        steps: merge only these captured steps (e.g. ``[100, 200]``); None: all.
+        ranks: merge only these ranks (their collectives are judged on the ranks chosen); None: all.
         progress: show a progress bar while reading shards.
 
     Returns:
         The merged trace; ``.findings`` is empty for a healthy run.
 
     Raises:
-        MergeError: no shards, shards of different world sizes, or (``strict``) a missing/unreadable shard.
+        MergeError: no shards (or none of the chosen steps/ranks), shards of different world sizes, or
+            (``strict``) a missing/unreadable shard.
 
     Example:
-        >>> g = tl.merge_ranks("runs/job42")
+        >>> g = tl.merge_ranks("runs/job42", steps=[100], ranks=range(8))
         >>> [str(f) for f in g.findings], g.stragglers().head(3)
     """
     if not isinstance(strict, bool):
@@ -313,41 +400,88 @@ def merge_ranks(
         raise ValueError(f"world_size must be a positive int or None, got {world_size!r}")
     if not isinstance(progress, bool):
         raise ValueError(f"progress must be a bool, got {progress!r}")
-    # Reading and joining allocate millions of small objects (columns, one record per collective per rank);
-    # the cyclic GC walking them again and again made the merge superlinear in ranks. Nothing here makes
-    # cycles, so it is paused for the merge (and restored if it was on).
+    want_steps, want_ranks = check_subset(steps, "steps"), check_subset(ranks, "ranks")
+    # Reading and joining allocate many small objects (one record per collective per rank); the cyclic GC
+    # walking them again and again made the merge superlinear in ranks. Nothing here makes cycles, so it is
+    # paused for the merge (and restored if it was on).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _merge(path_or_paths, strict=strict, world_size=world_size, progress=progress)
+        return _merge(path_or_paths, strict, world_size, want_steps, want_ranks, progress)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _merge(path_or_paths: Any, *, strict: bool, world_size: int | None, progress: bool) -> MergedTrace:
-    refs: list[ShardRef] = find_shards(path_or_paths)
-    traces, errors, facts = read_all(refs, strict=strict, progress=progress)
-    worlds = {w for w, _ in facts.values() if w is not None}
-    if len(worlds) > 1:
-        raise MergeError(f"shards disagree on the world size ({sorted(worlds)}): are they from one run?")
-    if world_size is None:
-        world_size = worlds.pop() if worlds else max(r for _, r in list(traces) + list(errors)) + 1
-    elif worlds and worlds != {world_size}:
-        raise MergeError(f"world_size={world_size} but the shards say {sorted(worlds)}")
-    out_of_range = sorted({r for _, r in list(traces) + list(errors) if r >= world_size})
+def _merge(
+    path_or_paths: Any,
+    strict: bool,
+    world_size: int | None,
+    steps: frozenset[int] | None,
+    ranks: frozenset[int] | None,
+    progress: bool,
+) -> MergedTrace:
+    refs = find_shards(path_or_paths)
+    written: dict[int, list[int]] = {}
+    for ref in refs:
+        written.setdefault(ref.rank, []).append(ref.step)
+    chosen = [r for r in refs if (steps is None or r.step in steps) and (ranks is None or r.rank in ranks)]
+    if not chosen:
+        have_steps = sorted({r.step for r in refs})
+        have_ranks = sorted({r.rank for r in refs})
+        raise MergeError(
+            f"no shards for steps={sorted(steps) if steps else 'all'}, ranks={sorted(ranks) if ranks else 'all'}:"
+            f" the shards have steps {_span(have_steps)} and ranks {_span(have_ranks)}"
+        )
+    hint = _world_hint(refs)
+    if world_size is not None and hint is not None and hint != world_size:
+        raise MergeError(f"world_size={world_size} but the shards say [{hint}]")
+    world = world_size or hint or max(r.rank for r in refs) + 1
+    out_of_range = sorted({r.rank for r in refs if r.rank >= world})
     if out_of_range:
-        raise MergeError(f"shards for rank(s) {out_of_range} but world_size is {world_size}")
-    steps = sorted({s for s, _ in traces} | {s for s, _ in errors})
-    absent: dict[int, set[int]] = {}
-    for step in steps:
-        missing = {r for r in range(world_size) if (step, r) not in traces}
-        if missing:
-            absent[step] = missing
-            if strict:
+        raise MergeError(f"shards for rank(s) {out_of_range} but world_size is {world}")
+    if ranks is not None and max(ranks) >= world:
+        raise ValueError(
+            f"ranks: {sorted(r for r in ranks if r >= world)} outside the world of {world} ranks"
+        )
+    expected = sorted(ranks) if ranks is not None else list(range(world))
+    if strict:
+        have = {(r.step, r.rank) for r in chosen}
+        for step in sorted({r.step for r in chosen}):
+            missing = [r for r in expected if (step, r) not in have]
+            if missing:
                 raise MergeError(
-                    f"no shard for rank(s) {sorted(missing)} at step {step} (world size {world_size}); pass "
+                    f"no shard for rank(s) {missing} at step {step} (world size {world}); pass "
                     "strict=False to merge the other ranks and report it as a finding"
                 )
-    incomplete = {key for key, (_, complete) in facts.items() if not complete}
-    return build(traces, world_size=world_size, incomplete=incomplete, shard_errors=errors, absent=absent)
+    source = ShardSource(chosen)
+    return build(
+        source,
+        sorted(source.refs),
+        world_size=world,
+        strict=strict,
+        expected=expected,
+        written=written,
+        progress=progress,
+    )
+
+
+def _world_hint(refs: list[Any]) -> int | None:
+    """The world size the first readable shard's metadata names (a cheap attribute read), or None."""
+    import h5py
+
+    for ref in refs:
+        try:
+            with h5py.File(ref.path, "r") as f:
+                value = json.loads(f.attrs["metadata"]).get("world_size")
+        except Exception:  # noqa: BLE001 - unreadable shards are reported when the merge reads them
+            continue
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _span(values: list[int]) -> str:
+    if len(values) > 6:
+        return f"{values[0]}..{values[-1]} ({len(values)})"
+    return str(values)

@@ -24,10 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ..trace import Trace
+from typing import Any, NamedTuple
 
 P2P_FUNCS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "recv_any_source": "recv"}
 VERDICTS = (
@@ -43,32 +40,34 @@ VERDICTS = (
 _SWAP_WINDOW = 3
 
 
-class Entry:
-    """One rank's record of one collective: its collective-table row plus where in the model it ran."""
+class Entry(NamedTuple):
+    """One rank's record of one collective: its collective-table row plus where in the model it ran.
 
-    __slots__ = (
-        "rank",
-        "row",
-        "op",
-        "func",
-        "group",
-        "group_name",
-        "seq",
-        "peer",
-        "root",
-        "in_numel",
-        "out_numel",
-        "dtype",
-        "nbytes",
-        "is_async",
-        "issue_ns",
-        "complete_ns",
-        "state",
-        "label",
-        "module",
-        "source",
-        "key",
-    )
+    ``key`` is (func, module, source) as interned string ids (:class:`~.sources.Interner`): what the aligner
+    compares across ranks.
+    """
+
+    rank: int
+    row: int
+    op: int
+    func: str
+    group: tuple[int, ...]
+    group_name: str
+    seq: int
+    peer: int
+    root: int
+    in_numel: int
+    out_numel: int
+    dtype: str
+    nbytes: int
+    is_async: bool
+    issue_ns: int
+    complete_ns: int
+    state: str
+    label: str
+    module: str
+    source: str
+    key: tuple[int, int, int]
 
     def where(self) -> dict[str, Any]:
         """The op's place in the model, for findings."""
@@ -85,42 +84,6 @@ class Entry:
     @property
     def payload(self) -> int:
         return self.in_numel if self.in_numel > 0 else self.out_numel
-
-
-def entries_of(rank: int, trace: Trace) -> list[Entry]:
-    """The collectives of one rank's trace as :class:`Entry` records, in table order."""
-    ct = trace.collective_table
-    cols = trace.columns
-    labels, modules, sources = cols["label"], cols["module"], cols["source"]
-    out = []
-    groups: dict[tuple, tuple[int, ...]] = {}  # a run has few groups: normalise each once
-    for i in range(len(ct["op"])):
-        e = Entry()
-        e.rank = rank
-        e.row = i
-        e.op = op = int(ct["op"][i])
-        e.func = ct["func"][i]
-        g = ct["group_ranks"][i]
-        e.group = groups.get(g) or groups.setdefault(g, tuple(map(int, g)))
-        e.group_name = ct["group_name"][i]
-        e.seq = int(ct["seq"][i])
-        e.peer = int(ct["peer"][i])
-        e.root = int(ct["root"][i])
-        e.in_numel = int(ct["in_numel"][i])
-        e.out_numel = int(ct["out_numel"][i])
-        e.dtype = ct["dtype"][i]
-        e.nbytes = int(ct["bytes"][i])
-        e.is_async = bool(ct["is_async"][i])
-        e.issue_ns = int(ct["issue_ns"][i])
-        e.complete_ns = int(ct["complete_ns"][i])
-        e.state = ct["state"][i]
-        valid = 0 <= op < len(labels)
-        e.label = labels[op] if valid else ""
-        e.module = modules[op] if valid else ""
-        e.source = sources[op] if valid else ""
-        e.key = (e.func, e.module, e.source)
-        out.append(e)
-    return out
 
 
 @dataclass
@@ -352,15 +315,18 @@ def match_step(
     incomplete: set[int],
     absent: set[int],
     last_op: dict[int, dict[str, Any]],
+    ended: dict[int, dict[str, Any]] | None = None,
 ) -> tuple[list[Joined], list[Finding]]:
     """Join one step's collectives across ranks and judge them.
 
     Args:
         step: the step these shards captured.
-        entries: per rank with a shard, its collectives (:func:`entries_of`).
+        entries: per rank with a shard, its collectives (:class:`Entry`, as ``sources.read_rank`` reads them).
         incomplete: ranks whose shard is marked incomplete (written at a crash, hang or signal).
         absent: ranks of the world without a readable shard for this step.
         last_op: per rank, where its last recorded op was (reported for ranks that never reached a collective).
+        ended: per rank with an incomplete shard, how it ended (``end_reason``, ``error``) and where its thread
+            was (``stack_at``, ``stack``): added to the findings it takes part in.
 
     Returns:
         The joined collectives (in group, then issue order) and the findings about them.
@@ -406,7 +372,7 @@ def match_step(
         for pos, slot in enumerate(group_joined):
             _judge(slot, len(group), incomplete, last_pos, pos)
         joined.extend(group_joined)
-        findings.extend(_findings(group_joined, last_op))
+        findings.extend(_findings(group_joined, last_op, ended or {}))
 
     for (name, group, src, dst), sides in sorted(p2p.items(), key=lambda kv: kv[0][1:] + (kv[0][0],)):
         if src in absent or dst in absent or src not in entries or dst not in entries:
@@ -424,11 +390,23 @@ def match_step(
         for pos, slot in enumerate(pairs):
             _judge(slot, 2, incomplete, last_pos, pos)
         joined.extend(pairs)
-        findings.extend(_findings(pairs, last_op))
+        findings.extend(_findings(pairs, last_op, ended or {}))
     return joined, findings
 
 
-def _findings(slots: list[Joined], last_op: dict[int, dict[str, Any]]) -> list[Finding]:
+def ending(info: dict[str, Any]) -> str:
+    """``SIGTERM`` / ``exception (RuntimeError: Timed out ...)``: how an incomplete shard's window ended."""
+    error = (info.get("error") or "").strip().splitlines()
+    text = info.get("end_reason") or "unknown"
+    if error:
+        first = error[0] if len(error[0]) <= 120 else error[0][:117] + "..."
+        text += f" ({first})"
+    return text
+
+
+def _findings(
+    slots: list[Joined], last_op: dict[int, dict[str, Any]], ended: dict[int, dict[str, Any]]
+) -> list[Finding]:
     out: list[Finding] = []
     for slot in slots:
         if slot.verdict == "matched":
@@ -440,6 +418,18 @@ def _findings(slots: list[Joined], last_op: dict[int, dict[str, Any]]) -> list[F
         at = f"{first.label} in {first.module or '<top>'} ({first.source or 'no source'})"
         kind = "p2p " if slot.p2p else ""
         message = f"{kind}{slot.func} seq {slot.seq} of group {list(slot.group)} at {at}: {slot.detail}"
+        for r in slot.missing:
+            stack_at = ended.get(r, {}).get("stack_at")
+            if stack_at:
+                message += f"; rank {r} never reached {first.label}: it was at {stack_at}"
+        notes = []
+        for r in sorted(where):
+            info = ended.get(r)
+            if info:
+                where[r].update(info)
+                notes.append(f"rank {r} {ending(info)}")
+        if notes:
+            message += "; incomplete shards: " + ", ".join(notes)
         out.append(
             Finding(
                 slot.verdict,

@@ -8,9 +8,13 @@ between the ranks.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from .timing import collective_timing
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -18,77 +22,94 @@ if TYPE_CHECKING:
 _PHASE_TID = {"forward": 1, "backward": 2, "optimizer": 3}
 
 
-def perfetto_events(g: MergedTrace) -> list[dict[str, Any]]:
-    """The trace events (metadata, slices, flows) as dicts."""
-    traces = g.tables()
-    if not traces:
-        return []
-    base = (
-        min(min(t.columns["start_ns"]) - g.offsets.get(r, 0) for (_, r), t in traces.items() if len(t))
-        if any(len(t) for t in traces.values())
-        else 0
-    )
-    events: list[dict[str, Any]] = []
+def perfetto_events(g: MergedTrace) -> Iterator[dict[str, Any]]:
+    """The trace events (metadata, slices, flows) as dicts, one rank's shard read at a time."""
+    keys = g.keys()
+    if not keys:
+        return
+    offsets = g.offsets
+    base = g.aligned_origin_ns()
+    ids = itertools.count()
     for rank in g.ranks:
-        events.append(
-            {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
-        )
-        events.append(
-            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
-        )
+        yield {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
+        yield {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
         for phase, tid in _PHASE_TID.items():
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": phase}}
+            yield {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": phase}}
+    for step in g.steps:
+        anchors: dict[int, dict[int, tuple[float, int]]] = {}  # rank -> collective op -> (ts, tid)
+        for (_, rank), trace in g.iter_traces(step=step):
+            cols = trace.columns
+            shift = offsets.get((step, rank), 0) + base
+            labels, kinds, phases, starts = cols["label"], cols["kind"], cols["phase"], cols["start_ns"]
+            durations, modules, funcs, flops = (
+                cols["duration_ns"],
+                cols["module"],
+                cols["func"],
+                cols["flops"],
             )
-    for (step, rank), trace in sorted(traces.items()):
-        cols = trace.columns
-        off = g.offsets.get(rank, 0) + base
-        for i in range(len(trace)):
-            events.append(
-                {
+            mine = anchors.setdefault(rank, {})
+            for i in range(len(trace)):
+                ts = (starts[i] - shift) / 1e3
+                tid = _PHASE_TID.get(phases[i], 4)
+                if kinds[i] == "collective":
+                    mine[i] = (ts, tid)
+                yield {
                     "ph": "X",
-                    "name": cols["label"][i],
-                    "cat": cols["kind"][i],
+                    "name": labels[i],
+                    "cat": kinds[i],
                     "pid": rank,
-                    "tid": _PHASE_TID.get(cols["phase"][i], 4),
-                    "ts": (cols["start_ns"][i] - off) / 1e3,
-                    "dur": max(cols["duration_ns"][i], 1) / 1e3,
-                    "args": {
-                        "step": step,
-                        "module": cols["module"][i],
-                        "func": cols["func"][i],
-                        "flops": cols["flops"][i],
-                    },
+                    "tid": tid,
+                    "ts": ts,
+                    "dur": max(durations[i], 1) / 1e3,
+                    "args": {"step": step, "module": modules[i], "func": funcs[i], "flops": flops[i]},
                 }
-            )
-    for n, (j, t) in enumerate(zip(g.joined, g.timings)):
+        yield from _flows(g, step, anchors, base, ids)
+
+
+def _flows(
+    g: MergedTrace, step: int, anchors: dict[int, dict[int, tuple[float, int]]], base: int, ids: Iterator[int]
+) -> Iterator[dict]:
+    """One flow per joined collective of ``step``: ``s`` on the first member to arrive, ``t``/``f`` on the others,
+    each inside that member's slice of the collective so the UI binds it."""
+    clocks = g.clock_solutions[step]
+    for j in g.joined_step(step):
         if len(j.entries) < 2:
             continue
-        members = sorted(j.entries.items(), key=lambda kv: (kv[1].issue_ns - g.offsets.get(kv[0], 0), kv[0]))
+        t = collective_timing(j, clocks)
+        offset = clocks.offsets
+        members = sorted(j.entries.items(), key=lambda kv: (kv[1].issue_ns - offset.get(kv[0], 0), kv[0]))
+        flow_id = next(ids)
         for k, (rank, e) in enumerate(members):
-            trace = traces[(j.step, rank)]
-            start = trace.columns["start_ns"][e.op] if 0 <= e.op < len(trace) else e.issue_ns
+            ts, tid = anchors.get(rank, {}).get(e.op, ((e.issue_ns - offset.get(rank, 0) - base) / 1e3, 4))
             ph = "s" if k == 0 else ("f" if k == len(members) - 1 else "t")
             ev = {
                 "ph": ph,
-                "id": n,
+                "id": flow_id,
                 "name": f"{j.func} seq {j.seq}",
                 "cat": "collective",
                 "pid": rank,
-                "tid": _PHASE_TID.get(trace.columns["phase"][e.op], 4) if 0 <= e.op < len(trace) else 4,
-                # Inside the op's slice, so the flow binds to it.
-                "ts": (start - g.offsets.get(rank, 0) - base) / 1e3 + 0.0005,
+                "tid": tid,
+                "ts": ts + 0.0005,
                 "args": {"verdict": j.verdict, "skew_us": t["skew_ns"] / 1e3},
             }
             if ph == "f":
                 ev["bp"] = "e"
-            events.append(ev)
-    return events
+            yield ev
 
 
 def write_perfetto(g: MergedTrace, path: str | os.PathLike) -> str:
-    """Write :func:`perfetto_events` as ``{"traceEvents": [...]}`` to ``path``; returns the path."""
-    events = perfetto_events(g)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+    """Write :func:`perfetto_events` as ``{"traceEvents": [...]}`` to ``path``, event by event; returns the
+    path."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write('{"displayTimeUnit": "ms", "traceEvents": [')
+            for n, event in enumerate(perfetto_events(g)):
+                fh.write(("," if n else "") + "\n" + json.dumps(event))
+            fh.write("\n]}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     return os.fspath(path)

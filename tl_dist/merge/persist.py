@@ -3,26 +3,28 @@
 Layout (all tables written with the store's codecs, so ``h5dump`` reads them like shards)::
 
     /                       attrs: encoding-type "tl_dist.merged", encoding-version, schema_version,
-                                   world_size, shard_errors (JSON), absent (JSON)
+                                   world_size, shard_errors (JSON), expected (JSON: the ranks merged),
+                                   written (JSON: per rank, the steps it has shards for)
     /shards/s{S}_r{R}/      attrs: step, rank, metadata (JSON), failed_op (JSON)
         ops/ modules/ collectives/      tables as in a shard
 
-Verdicts, offsets and timings are not stored: loading re-runs the (deterministic, I/O-free) join over the stored
-tables, so a file written by an older tl_dist gets today's analysis. Saved tensors stay in the shards.
+Verdicts, offsets and timings are not stored: loading re-runs the (deterministic) merge over the stored tables, one
+step at a time, so a file written by an older tl_dist gets today's analysis. Saved tensors stay in the shards.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import h5py
 
-from ..errors import ShardFormatError
+from ..errors import MergeError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION
-from ..store.codecs import ShardOptions, read_table, write_table
-from ..trace import Trace
+from ..store.codecs import ShardOptions, write_table
+from .sources import MergedFileSource, check_subset
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -32,16 +34,13 @@ ENCODING_VERSION = "1"
 
 
 def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
-    """Write ``g`` to ``path`` (temporary name, then renamed). Returns the path."""
+    """Write ``g`` to ``path`` (temporary name, then renamed), reading one rank's trace at a time. Returns the
+    path."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path, got {type(path).__name__}")
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     options = ShardOptions()
-    absent: dict[str, list[int]] = {}
-    for f in g.findings:
-        if f.kind in ("missing_rank", "unreadable_shard"):
-            absent.setdefault(str(f.step), []).extend(f.ranks)
     try:
         with h5py.File(tmp, "w") as root:
             root.attrs["encoding-type"] = ENCODING
@@ -49,9 +48,10 @@ def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
             root.attrs["schema_version"] = SCHEMA_VERSION
             root.attrs["world_size"] = g.world_size
             root.attrs["shard_errors"] = json.dumps({f"{s}:{r}": e for (s, r), e in g.shard_errors.items()})
-            root.attrs["absent"] = json.dumps(absent)
+            root.attrs["expected"] = json.dumps(g.expected_ranks)
+            root.attrs["written"] = json.dumps({str(r): s for r, s in g.written.items()})
             shards = root.create_group("shards")
-            for (step, rank), trace in sorted(g.traces().items()):
+            for (step, rank), trace in g.iter_traces():
                 grp = shards.create_group(f"s{step}_r{rank}")
                 grp.attrs["step"] = step
                 grp.attrs["rank"] = rank
@@ -70,11 +70,14 @@ def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
     return path
 
 
-def load_merged(path: str | os.PathLike) -> MergedTrace:
-    """Reopen a merged trace written by ``MergedTrace.save``.
+def load_merged(
+    path: str | os.PathLike, *, steps: Iterable[int] | None = None, ranks: Iterable[int] | None = None
+) -> MergedTrace:
+    """Reopen a merged trace written by ``MergedTrace.save`` (optionally only some steps / ranks of it).
 
     Raises:
         ShardFormatError: the file is missing, not HDF5, not a merged trace, or from a newer schema.
+        MergeError: ``steps`` / ``ranks`` select nothing in it.
 
     Example:
         >>> g = tl.load_merged("job42-merged.h5"); g.findings
@@ -83,6 +86,7 @@ def load_merged(path: str | os.PathLike) -> MergedTrace:
 
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path, got {type(path).__name__}")
+    want_steps, want_ranks = check_subset(steps, "steps"), check_subset(ranks, "ranks")
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ShardFormatError(f"{path}: no such merged-trace file")
@@ -105,23 +109,34 @@ def load_merged(path: str | os.PathLike) -> MergedTrace:
                 (int(k.split(":")[0]), int(k.split(":")[1])): v
                 for k, v in json.loads(root.attrs["shard_errors"]).items()
             }
-            absent = {int(s): set(rs) for s, rs in json.loads(root.attrs["absent"]).items()}
-            traces: dict[tuple[int, int], Trace] = {}
-            incomplete: set[tuple[int, int]] = set()
-            for grp in root["shards"].values():
-                key = (int(grp.attrs["step"]), int(grp.attrs["rank"]))
-                meta = json.loads(grp.attrs["metadata"])
-                traces[key] = Trace(
-                    read_table(grp, "ops", OP_FIELDS),
-                    read_table(grp, "modules", MODULE_CALL_FIELDS),
-                    collective_table=read_table(grp, "collectives", COLLECTIVE_FIELDS),
-                    metadata=meta,
-                    failed_op=json.loads(grp.attrs["failed_op"]),
-                )
-                if not meta.get("complete", True):
-                    incomplete.add(key)
+            expected = (
+                json.loads(root.attrs["expected"]) if "expected" in root.attrs else list(range(world_size))
+            )
+            written = {int(r): s for r, s in json.loads(root.attrs.get("written", "{}")).items()}
+            groups = {
+                (int(g.attrs["step"]), int(g.attrs["rank"])): name for name, g in root["shards"].items()
+            }
     except ShardFormatError:
         raise
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a format problem of this file
         raise ShardFormatError(f"{path}: corrupt merged-trace file: {type(exc).__name__}: {exc}") from exc
-    return build(traces, world_size=world_size, incomplete=incomplete, shard_errors=errors, absent=absent)
+
+    def chosen(key: tuple[int, int]) -> bool:
+        return (want_steps is None or key[0] in want_steps) and (want_ranks is None or key[1] in want_ranks)
+
+    groups = {k: v for k, v in groups.items() if chosen(k)}
+    errors = {k: v for k, v in errors.items() if chosen(k)}
+    if not groups and not errors:
+        raise MergeError(f"{path}: no ranks' tables for steps={steps!r}, ranks={ranks!r}")
+    if want_ranks is not None:
+        expected = sorted(want_ranks & set(expected))
+    source = MergedFileSource(path, groups)
+    return build(
+        source,
+        sorted(groups),
+        world_size=world_size,
+        strict=False,
+        expected=expected,
+        shard_errors=errors,
+        written=written,
+    )

@@ -1,16 +1,33 @@
-"""Finding and reading shards for a merge. Shards are read only through the store's API (``tl.load``)."""
+"""Finding and reading shards for a merge, one at a time.
+
+The merge keeps of each shard only what it needs after reading it (:class:`RankData`): its collectives as
+:class:`~.match.Entry` records, the compute/communication breakdown of its window, where its last op was and the
+shard's metadata. Op tables are read as numpy arrays and dropped at once, so a merge's memory is bounded by one
+step's collectives, not by the run's ops. Strings (op labels, funcs, module addresses, source lines) are interned
+once across all shards (:class:`Interner`): the same label on 1,024 ranks is one string, and the join compares
+integer ids.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MergeError, TlDistError
+import numpy as np
+
+from ..errors import MergeError, ShardFormatError
+from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
+from .match import Entry
+from .timing import local_breakdown
 
 if TYPE_CHECKING:
+    import h5py
+
     from ..trace import Trace
 
 _SHARD_RE = re.compile(r"rank(\d+)[/\\]step(\d+)\.h5$")
@@ -67,129 +84,234 @@ def _ref(p: Path) -> ShardRef:
     return ShardRef(p, int(m.group(1)), int(m.group(2)))
 
 
-# The op columns the merge itself reads; the rest (parents, shapes, module stacks: the costly ragged ones) are
-# read only when a view needs a rank's full trace (``MergedTrace.rank``).
-MERGE_FIELDS = (
-    "index",
-    "label",
-    "func",
-    "kind",
-    "phase",
-    "module",
-    "source",
-    "start_ns",
-    "duration_ns",
-    "flops",
-)
+def check_subset(value: Any, name: str) -> frozenset[int] | None:
+    """``steps=`` / ``ranks=`` of a merge: None (all) or a non-empty collection of non-negative ints."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, bool, int)) or not isinstance(value, Iterable):
+        raise ValueError(
+            f"{name} must be None or a collection of non-negative ints (e.g. [0, 3]), got {value!r}"
+        )
+    items = list(value)
+    bad = [v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0]
+    if bad or not items:
+        raise ValueError(f"{name} must hold non-negative ints, got {value!r}")
+    return frozenset(int(v) for v in items)
 
 
-class ShardTables:
-    """What the merge reads of one shard: some op columns, the collective table, metadata, failed_op.
+class Interner:
+    """One integer id per distinct string across the shards of a merge (id 0 is ``""``).
 
-    Duck-types the parts of :class:`~tl_dist.trace.Trace` the merge's analyzers use (``columns``,
-    ``collective_table``, ``metadata``, ``failed_op``, ``len``).
+    Example:
+        >>> names = Interner(); names.id("all_reduce_1"), names.strings[1]
+        (1, 'all_reduce_1')
     """
 
-    __slots__ = ("path", "columns", "collective_table", "metadata", "failed_op", "_n")
+    __slots__ = ("strings", "_ids")
 
-    def __init__(
-        self, path: Path, columns: dict, collective_table: dict, metadata: dict, failed_op: Any
-    ) -> None:
-        self.path = path
-        self.columns = columns
-        self.collective_table = collective_table
+    def __init__(self) -> None:
+        self.strings: list[str] = [""]
+        self._ids: dict[str, int] = {"": 0}
+
+    def id(self, value: str) -> int:
+        got = self._ids.get(value)
+        if got is None:
+            got = self._ids[value] = len(self.strings)
+            self.strings.append(value)
+        return got
+
+    def ids(self, codes: np.ndarray, table: Any) -> np.ndarray:
+        """Global ids of ``codes`` into a shard's ``table`` (of str or bytes); only the codes used are interned."""
+        if not len(codes):
+            return np.zeros(0, dtype=np.int64)
+        used = np.unique(codes)
+        if used[0] < 0 or used[-1] >= len(table):
+            raise ValueError(f"string codes {used[0]}..{used[-1]} outside a table of {len(table)}")
+        lookup = np.zeros(int(used[-1]) + 1, dtype=np.int64)
+        for c in used.tolist():
+            s = table[c]
+            lookup[c] = self.id(s.decode() if isinstance(s, bytes) else s)
+        return lookup[codes]
+
+    def text(self, ids: np.ndarray) -> list[str]:
+        return list(map(self.strings.__getitem__, ids.tolist()))
+
+
+class RankData:
+    """What the merge keeps of one (step, rank) shard (see the module docstring)."""
+
+    __slots__ = ("rank", "step", "metadata", "failed_op", "n_ops", "entries", "last_op", "local", "first_ns")
+
+    def __init__(self, rank: int, step: int, metadata: dict, failed_op: Any) -> None:
+        self.rank = rank
+        self.step = step
         self.metadata = metadata
         self.failed_op = failed_op
-        self._n = len(columns["index"])
-
-    def __len__(self) -> int:
-        return self._n
-
-    @property
-    def rank(self) -> Any:
-        return self.metadata.get("rank")
+        self.n_ops = 0
+        self.entries: list[Entry] | None = []
+        self.last_op: dict[str, Any] = {}
+        self.local = (0, 0, 0)  # compute_ns, comm_ns, window_ns (timing.local_breakdown)
+        self.first_ns = -1  # first op's start, epoch ns on the rank's clock
 
     @property
-    def step(self) -> Any:
-        return self.metadata.get("step")
-
-    @property
-    def world_size(self) -> Any:
-        return self.metadata.get("world_size")
+    def complete(self) -> bool:
+        return bool(self.metadata.get("complete", True))
 
 
-def load_tables(ref: ShardRef) -> ShardTables:
-    """Read the tables the merge needs from one shard (no saved tensors, no ragged op columns).
-
-    Uses the store's column codecs and its layout checks; a full trace comes from ``tl.load``.
-
-    Raises:
-        ShardFormatError: the file is missing, not HDF5, corrupt, or of a newer schema (names the file).
-    """
-    from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
-    from ..store.codecs import read_table
-    from ..store.hdf5 import open_shard
-
-    path = ref.path
-    with open_shard(path) as (root, metadata, failed_op, strings):
-        fields = tuple(f for f in OP_FIELDS if f.name in MERGE_FIELDS)
-        columns = read_table(root, "ops", fields, strings=strings)
-        collective_table = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
-    return ShardTables(path, columns, collective_table, metadata, failed_op)
+_OP_FIELDS = tuple(
+    f for f in OP_FIELDS if f.name in ("kind", "start_ns", "duration_ns", "label", "module", "source")
+)
+_COLL_FIELDS = tuple(f for f in COLLECTIVE_FIELDS if f.kind != "ints")
+_GROUP_FIELD = next(f for f in COLLECTIVE_FIELDS if f.name == "group_ranks")
+_STR_COLL = tuple(f.name for f in _COLL_FIELDS if f.kind == "str")
 
 
-def load_shard(path: Path) -> Trace:
-    """The full trace of one shard (saved tensors read lazily, on first access)."""
-    from ..store import load
+def read_rank(
+    root: h5py.Group, metadata: dict, failed_op: Any, strings: list[str] | None, names: Interner, key: tuple
+) -> RankData:
+    """Read one shard's (or merged-file group's) tables into a :class:`RankData`. ``key``: (step, rank)."""
+    from ..store.codecs import read_arrays, read_column
 
-    return load(path)
+    step, rank = key
+    data = RankData(rank, step, metadata, failed_op)
+    n, ops, op_tables = read_arrays(root, "ops", _OP_FIELDS)
+    m, ct, ct_tables = read_arrays(root, "collectives", _COLL_FIELDS)
+    groups = read_column(root["collectives"], _GROUP_FIELD, m, strings) if m else []
+
+    def ids(arrays: dict, tables: dict, name: str, rows: np.ndarray | None = None) -> np.ndarray:
+        codes = arrays[name] if rows is None else arrays[name][rows]
+        return names.ids(codes, strings if tables[name] is None else tables[name])
+
+    data.n_ops = n
+    if n:
+        starts, durations = ops["start_ns"], ops["duration_ns"]
+        is_coll = ids(ops, op_tables, "kind") == names.id("collective")
+        spans = ct["is_async"] & (ct["complete_ns"] >= 0)
+        async_spans = (ct["op"][spans], ct["issue_ns"][spans], ct["complete_ns"][spans])
+        data.local = local_breakdown(is_coll, starts, durations, async_spans)
+        data.first_ns = int(starts.min())
+        last = np.array([n - 1])
+        data.last_op = {
+            "op": n - 1,
+            "label": names.strings[int(ids(ops, op_tables, "label", last)[0])],
+            "module": names.strings[int(ids(ops, op_tables, "module", last)[0])],
+            "source": names.strings[int(ids(ops, op_tables, "source", last)[0])],
+        }
+    if failed_op:
+        data.last_op.update(failed_func=failed_op.get("func"), error=failed_op.get("error"))
+    if not m:
+        return data
+    op = ct["op"]
+    valid = (op >= 0) & (op < n)
+    at = np.where(valid, op, 0)
+    where = {}
+    for name in ("label", "module", "source"):
+        got = ids(ops, op_tables, name, at) if n else np.zeros(m, dtype=np.int64)
+        where[name] = np.where(valid, got, 0)
+    coded = {name: ids(ct, ct_tables, name) for name in _STR_COLL}
+    text = {name: names.text(coded[name]) for name in ("func", "group_name", "dtype", "state")}
+    unique_groups: dict[tuple, tuple[int, ...]] = {}
+    group_tuples = [unique_groups.get(g) or unique_groups.setdefault(g, tuple(map(int, g))) for g in groups]
+    keys = list(zip(coded["func"].tolist(), where["module"].tolist(), where["source"].tolist()))
+    data.entries = list(
+        map(
+            Entry._make,
+            zip(
+                [rank] * m,
+                range(m),
+                op.tolist(),
+                text["func"],
+                group_tuples,
+                text["group_name"],
+                ct["seq"].tolist(),
+                ct["peer"].tolist(),
+                ct["root"].tolist(),
+                ct["in_numel"].tolist(),
+                ct["out_numel"].tolist(),
+                text["dtype"],
+                ct["bytes"].tolist(),
+                ct["is_async"].tolist(),
+                ct["issue_ns"].tolist(),
+                ct["complete_ns"].tolist(),
+                text["state"],
+                names.text(where["label"]),
+                names.text(where["module"]),
+                names.text(where["source"]),
+                keys,
+            ),
+        )
+    )
+    return data
 
 
-def shard_facts(trace: Trace, ref: ShardRef) -> tuple[int, int, int | None, bool]:
-    """(rank, step, world_size or None, complete) of a loaded shard; its metadata wins over its file name."""
-    meta = trace.metadata
-    rank = _attr(trace, "rank", ref.rank)
-    step = _attr(trace, "step", ref.step)
-    world = _attr(trace, "world_size", None)
-    if rank != ref.rank:
-        raise MergeError(f"{ref.path}: shard says rank {rank} but sits in the folder of rank {ref.rank}")
-    complete = bool(meta.get("complete", True))
-    return int(rank), int(step if step is not None else ref.step), world, complete
+class ShardSource:
+    """The shards of a run, read on demand: ``read`` for the merge, ``trace`` for a rank's full trace."""
+
+    def __init__(self, refs: list[ShardRef]) -> None:
+        self.refs = {(r.step, r.rank): r for r in refs}
+
+    def name(self, key: tuple[int, int]) -> str:
+        return str(self.refs[key].path)
+
+    def read(self, key: tuple[int, int], names: Interner) -> RankData:
+        """Raises ShardFormatError (unreadable, names the file) or MergeError (rank/step disagree with its path)."""
+        from ..store.hdf5 import open_shard
+
+        ref = self.refs[key]
+        with open_shard(ref.path) as (root, metadata, failed_op, strings):
+            for field, named in (("rank", ref.rank), ("step", ref.step)):
+                value = metadata.get(field)
+                if value is not None and int(value) != named:
+                    raise MergeError(
+                        f"{ref.path}: shard says {field} {value} but its path names {field} {named}"
+                    )
+            return read_rank(root, metadata, failed_op, strings, names, key)
+
+    def trace(self, key: tuple[int, int]) -> Trace:
+        """The full trace of one shard (saved tensors read lazily, on first access)."""
+        from ..store import load
+
+        return load(self.refs[key].path)
 
 
-def _attr(trace: Trace, name: str, default: Any) -> Any:
-    value = trace.metadata.get(name)  # what Trace.rank / .step / .world_size read
-    return default if value is None else int(value)
+class MergedFileSource:
+    """The per-rank tables stored in a merged file (``MergedTrace.save``), read on demand."""
 
+    def __init__(self, path: str, groups: dict[tuple[int, int], str]) -> None:
+        self.path = path
+        self.groups = groups
 
-def read_all(refs: list[ShardRef], *, strict: bool, progress: bool) -> tuple[dict, dict, dict]:
-    """Read every shard's tables. Returns ``({(step, rank): ShardTables}, {(step, rank): error message},
-    {(step, rank): (world_size or None, complete)})``.
+    def name(self, key: tuple[int, int]) -> str:
+        return f"{self.path}:/shards/{self.groups[key]}"
 
-    With ``strict`` a shard that cannot be read raises :class:`MergeError` naming it.
-    """
-    traces: dict[tuple[int, int], Trace] = {}
-    errors: dict[tuple[int, int], str] = {}
-    facts: dict[tuple[int, int], tuple[int | None, bool]] = {}
-    iterator: Any = refs
-    if progress:
+    def _open(self, key: tuple[int, int]) -> Any:
+        import h5py
+
+        f = h5py.File(self.path, "r")
+        return f, f["shards"][self.groups[key]]
+
+    def read(self, key: tuple[int, int], names: Interner) -> RankData:
+        f, grp = self._open(key)
         try:
-            from tqdm.auto import tqdm  # installed with lightning; optional here
-        except ImportError:
-            tqdm = None
-        if tqdm is not None:
-            iterator = tqdm(refs, desc="reading shards", unit="shard", leave=False)
-    for ref in iterator:
-        try:
-            trace = load_tables(ref)
-            _, step, world, complete = shard_facts(trace, ref)
-        except TlDistError as exc:
-            if strict:
-                raise MergeError(
-                    f"cannot merge: {exc} (pass strict=False to merge the other shards)"
-                ) from exc
-            errors[(ref.step, ref.rank)] = str(exc)
-            continue
-        traces[(step, ref.rank)] = trace
-        facts[(step, ref.rank)] = (world, complete)
-    return traces, errors, facts
+            with f:
+                meta = json.loads(grp.attrs["metadata"])
+                return read_rank(grp, meta, json.loads(grp.attrs["failed_op"]), None, names, key)
+        except (MergeError, ShardFormatError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is a format problem of this file
+            raise ShardFormatError(f"{self.name(key)}: corrupt merged-trace group: {exc}") from exc
+
+    def trace(self, key: tuple[int, int]) -> Trace:
+        from ..schema import MODULE_CALL_FIELDS
+        from ..store.codecs import read_table
+        from ..trace import Trace
+
+        f, grp = self._open(key)
+        with f:
+            return Trace(
+                read_table(grp, "ops", OP_FIELDS),
+                read_table(grp, "modules", MODULE_CALL_FIELDS),
+                collective_table=read_table(grp, "collectives", COLLECTIVE_FIELDS),
+                metadata=json.loads(grp.attrs["metadata"]),
+                failed_op=json.loads(grp.attrs["failed_op"]),
+            )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..schema import OP_FIELDS
+from .match import Joined
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -25,6 +26,7 @@ COLLECTIVE_COLUMNS = (
     "skew_ns",
     "duration_ns",
     "last_rank",
+    "uncertainty_ns",
     "label",
     "module",
     "source",
@@ -32,40 +34,70 @@ COLLECTIVE_COLUMNS = (
 )
 
 
-def collectives_frame(g: MergedTrace) -> Any:
+def collective_row(j: Joined, t: dict[str, Any]) -> tuple:
+    """One row of ``g.collectives`` (``COLLECTIVE_COLUMNS``) from a joined collective and its timing."""
+    entries = list(j.entries.values())
+    first = entries[0]
+    return (
+        j.step,
+        j.group,
+        j.group_name,
+        j.seq,
+        j.func,
+        j.verdict,
+        tuple(sorted(j.entries)),
+        j.missing,
+        j.absent,
+        "/".join(sorted({e.dtype for e in entries})),
+        max(e.nbytes for e in entries),
+        t["start_ns"],
+        t["skew_ns"],
+        t["duration_ns"],
+        t["last_rank"],
+        t["uncertainty_ns"],
+        first.label,
+        first.module,
+        first.source,
+        j.detail,
+    )
+
+
+def collectives_frame(rows: list[tuple]) -> Any:
     """One row per joined collective (columns: ``COLLECTIVE_COLUMNS``); times aligned, ns."""
     import pandas as pd
 
-    rows = []
-    for j, t in zip(g.joined, g.timings):
-        entries = list(j.entries.values())
-        first = entries[0]
-        rows.append(
-            (
-                j.step,
-                j.group,
-                j.group_name,
-                j.seq,
-                j.func,
-                j.verdict,
-                tuple(sorted(j.entries)),
-                j.missing,
-                j.absent,
-                "/".join(sorted({e.dtype for e in entries})),
-                max(e.nbytes for e in entries),
-                t["start_ns"],
-                t["skew_ns"],
-                t["duration_ns"],
-                t["last_rank"],
-                first.label,
-                first.module,
-                first.source,
-                j.detail,
-            )
-        )
     frame = pd.DataFrame(rows, columns=list(COLLECTIVE_COLUMNS))
     for name in ("group_name", "func", "verdict", "dtype"):
         frame[name] = pd.Categorical(frame[name])
+    return frame
+
+
+CLOCK_COLUMNS = ("step", "rank", "host", "offset_ns", "uncertainty_ns", "method", "collectives", "reference")
+
+
+def clocks_frame(g: MergedTrace) -> Any:
+    """``g.clocks``: per (step, rank) its clock offset against ``reference`` and how it was found."""
+    import pandas as pd
+
+    rows = []
+    for step, sol in sorted(g.clock_solutions.items()):
+        for r in sorted(sol.offsets):
+            unc = sol.uncertainty[r]
+            rows.append(
+                (
+                    step,
+                    r,
+                    g.metadata(step, r).get("host", ""),
+                    sol.offsets[r],
+                    pd.NA if unc is None else unc,
+                    sol.method[r],
+                    sol.collectives.get(r, 0),
+                    sol.reference[r],
+                )
+            )
+    frame = pd.DataFrame(rows, columns=list(CLOCK_COLUMNS))
+    frame["uncertainty_ns"] = frame["uncertainty_ns"].astype("Int64")
+    frame["method"] = pd.Categorical(frame["method"], categories=["same-host", "estimated", "none"])
     return frame
 
 
@@ -74,9 +106,10 @@ def ops_frame(g: MergedTrace) -> Any:
     import pandas as pd
 
     frames = []
-    for (step, rank), trace in sorted(g.traces().items()):
+    offsets = g.offsets
+    for (step, rank), trace in g.iter_traces():
         frame = trace.to_pandas()
-        frame.insert(0, "aligned_start_ns", frame["start_ns"] - g.offsets.get(rank, 0))
+        frame.insert(0, "aligned_start_ns", frame["start_ns"] - offsets.get((step, rank), 0))
         frame.insert(0, "rank", rank)
         frame.insert(0, "step", step)
         frames.append(frame)
@@ -93,21 +126,73 @@ def _ms(ns: float) -> str:
     return f"{ns / 1e6:.3f}"
 
 
+_MAX_LINES = 8  # per finding's ranks, per step's clocks: more are counted, not listed
+
+
+def _clock_lines(g: MergedTrace) -> list[str]:
+    clocks = g.clocks
+    if not len(clocks):
+        return ["clocks: no ranks"]
+    if (clocks.method == "same-host").all():
+        return ["clocks: every rank on its reference's clock (same host and boot): offsets 0 by construction"]
+    lines = ["clocks (offset vs reference rank, ms, +- uncertainty; method, collectives used):"]
+    for step, frame in clocks[clocks.method != "same-host"].groupby("step", sort=True):
+        frame = frame.sort_values("uncertainty_ns", ascending=False, na_position="first")
+        parts = [
+            f"rank {r.rank} "
+            + (
+                f"{_ms(r.offset_ns)} +- {_ms(r.uncertainty_ns)} vs rank {r.reference} ({r.collectives})"
+                if r.method == "estimated"
+                else "none (no collective bounds it both ways)"
+            )
+            for r in frame.head(_MAX_LINES).itertuples()
+        ]
+        more = len(frame) - _MAX_LINES
+        lines.append(f"  step {step}: " + ", ".join(parts) + (f", ... {more} more" if more > 0 else ""))
+    violation = {s: sol.violation_ns for s, sol in g.clock_solutions.items() if sol.violation_ns}
+    for step, v in sorted(violation.items()):
+        lines.append(
+            f"  step {step}: recorded times contradicted causality by {_ms(v)} ms (a clock stepped?); "
+            "uncertainties widened by that much"
+        )
+    return lines
+
+
+def _where_lines(f: Any) -> list[str]:
+    if not f.group:  # rank-level findings say it all in their message
+        return []
+    lines = []
+    for r, w in list(f.where.items())[:_MAX_LINES]:
+        if w.get("absent"):
+            last = w.get("last_label")
+            line = f"      rank {r}: did not issue it" + (
+                f"; last op {last} in {w.get('last_module') or '<top>'} ({w.get('last_source')})"
+                if last
+                else ""
+            )
+        else:
+            line = (
+                f"      rank {r}: {w['label']} seq {w['seq']} {w['state']} in "
+                f"{w['module'] or '<top>'} ({w['source'] or 'no source'})"
+            )
+        if w.get("stack_at"):
+            line += f"; thread at {w['stack_at']}"
+        lines.append(line)
+    if len(f.where) > _MAX_LINES:
+        lines.append(f"      ... {len(f.where) - _MAX_LINES} more ranks")
+    return lines
+
+
 def summary(g: MergedTrace) -> str:
     """The text report ``g.summary()`` returns."""
+    tb = g.time_breakdown()
     lines = [
         f"tl_dist merged trace: {len(g.ranks)}/{g.world_size} ranks, steps {g.steps}, "
-        f"{sum(len(t) for t in g.tables().values())} ops, {len(g.joined)} collectives",
+        f"{int(tb.ops.sum()) if len(tb) else 0} ops, {len(g.collectives)} collectives",
     ]
-    verdicts: dict[str, int] = {}
-    for j in g.joined:
-        verdicts[j.verdict] = verdicts.get(j.verdict, 0) + 1
-    lines.append("collectives by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
-    off = {r: o for r, o in g.offsets.items() if o}
-    lines.append(
-        "clock offsets (ms vs lowest rank): "
-        + (", ".join(f"rank {r} {_ms(o)}" for r, o in sorted(off.items())) if off else "none")
-    )
+    verdicts = g.collectives.verdict.value_counts()
+    lines.append("collectives by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items()) if v))
+    lines.extend(_clock_lines(g))
     if g.incomplete:
         lines.append(f"incomplete shards (step, rank): {sorted(g.incomplete)}")
     lines.append("")
@@ -115,40 +200,43 @@ def summary(g: MergedTrace) -> str:
         lines.append(f"FINDINGS ({len(g.findings)}):")
         for f in g.findings:
             lines.append(f"  {'' if f.primary else '(consequence) '}{f}")
-            for r, w in f.where.items():
-                if w.get("absent"):
-                    last = w.get("last_label")
-                    lines.append(
-                        f"      rank {r}: did not issue it"
-                        + (
-                            f"; last op {last} in {w.get('last_module') or '<top>'} ({w.get('last_source')})"
-                            if last
-                            else ""
-                        )
-                    )
-                else:
-                    lines.append(
-                        f"      rank {r}: {w['label']} seq {w['seq']} {w['state']} in "
-                        f"{w['module'] or '<top>'} ({w['source'] or 'no source'})"
-                    )
+            lines.extend(_where_lines(f))
     else:
         lines.append("no findings: every collective matched on every rank")
     lines.append("")
     strag = g.stragglers()
-    if len(strag):
+    blamed = strag[strag.caused_wait_ns > 0]
+    if len(blamed):
         lines.append("stragglers (others' wait caused, ms; own wait, ms):")
-        for step, frame in strag.groupby("step", sort=True):
+        for step, frame in blamed.groupby("step", sort=True):
             top = ", ".join(
                 f"rank {int(r.rank)} {_ms(r.caused_wait_ns)} ({_ms(r.wait_ns)})"
                 for r in frame.head(4).itertuples()
             )
             lines.append(f"  step {step}: {top}")
-    tb = g.time_breakdown()
+    else:
+        lines.append("stragglers: none beyond the clock uncertainty")
+    if len(strag):
+        for step, ns in strag.groupby("step").uncertain_wait_ns.sum().items():
+            if ns:
+                lines.append(
+                    f"  step {step}: {_ms(ns)} ms of waits within the clock uncertainty, blamed on nobody"
+                )
     if len(tb):
         lines.append("time per rank (ms): compute / communication / waiting / window")
-        for r in tb.itertuples():
-            lines.append(
-                f"  step {r.step} rank {r.rank}: {_ms(r.compute_ns)} / {_ms(r.comm_ns)} / {_ms(r.wait_ns)} / "
-                f"{_ms(r.window_ns)}  ({r.ops} ops)"
-            )
+        if len(tb) <= 4 * _MAX_LINES:
+            for r in tb.itertuples():
+                lines.append(
+                    f"  step {r.step} rank {r.rank}: {_ms(r.compute_ns)} / {_ms(r.comm_ns)} / "
+                    f"{_ms(r.wait_ns)} / {_ms(r.window_ns)}  ({r.ops} ops)"
+                )
+        else:
+            for step, frame in tb.groupby("step", sort=True):
+                cols = ("compute_ns", "comm_ns", "wait_ns", "window_ns")
+                med = " / ".join(_ms(frame[c].median()) for c in cols)
+                top = frame.loc[frame.wait_ns.idxmax()]
+                lines.append(
+                    f"  step {step}, median of {len(frame)} ranks: {med}; most waiting: rank {int(top['rank'])} "
+                    f"{_ms(top['wait_ns'])}"
+                )
     return "\n".join(lines)

@@ -274,3 +274,62 @@ def read_table(
         else:
             columns[f.name] = read_column(group, f, n, strings if path is not None else None)
     return columns
+
+
+_ARRAY_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+
+
+def read_arrays(
+    parent: h5py.Group, name: str, fields: tuple[Field, ...]
+) -> tuple[int, dict[str, np.ndarray], dict[str, list[str] | None]]:
+    """Scalar columns (kinds int, float, bool, str) of table ``name`` as numpy arrays: no Python object per row,
+    for readers of many shards (the merge).
+
+    Returns ``(n_rows, arrays, categories)``. A str column reads as int32 codes: ``categories[field]`` is None
+    when they index the string table the group's ``strings`` attribute names (``/strings`` of a shard), else
+    the column's own categories. A field the writer's schema lacked reads as its kind's unknown value (str:
+    code 0 of the categories ``[""]``).
+
+    Example:
+        >>> n, arrays, categories = read_arrays(root, "ops", fields)
+        >>> strings[arrays["label"]]
+    """
+    if name not in parent:
+        raise ValueError(f"group {name!r} is missing")
+    group = parent[name]
+    if not isinstance(group, h5py.Group) or group.attrs.get("encoding-type") != "table":
+        raise ValueError(f"{group.name} is not a table (encoding-type attribute 'table' missing)")
+    n = int(group.attrs["n-rows"])
+    written = set(np.asarray(group.attrs.get("column-order", ()), dtype=object).tolist())
+    arrays: dict[str, np.ndarray] = {}
+    categories: dict[str, list[str] | None] = {}
+    for f in fields:
+        if f.kind not in _ARRAY_DTYPES and f.kind != "str":
+            raise ValueError(f"read_arrays reads scalar columns; {f.name!r} is of kind {f.kind}")
+        if n == 0 or (f.name not in written and f.name not in group):
+            if f.kind == "str":
+                arrays[f.name] = np.zeros(n, dtype=np.int32)
+                categories[f.name] = [""]
+            else:
+                arrays[f.name] = np.full(n, _MISSING[f.kind], dtype=_ARRAY_DTYPES[f.kind])
+            continue
+        if f.name not in group:
+            raise ValueError(f"column {f.name!r} is missing from {group.name}")
+        node = group[f.name]
+        if f.kind == "str" and isinstance(node, h5py.Group):
+            _check_encoding(node, "categorical", f)
+            values = node["codes"][()]
+            categories[f.name] = node["categories"].asstr()[()].tolist()
+        else:
+            _check_encoding(node, "dataset", f)
+            values = node[()]
+            if f.kind == "str":
+                if group.attrs.get("strings") is None:
+                    raise ValueError(f"{group.name}/{f.name} holds string codes but names no string table")
+                categories[f.name] = None
+            else:
+                values = values.astype(_ARRAY_DTYPES[f.kind], copy=False)
+        if values.shape != (n,):
+            raise ValueError(f"column {f.name!r} of {group.name} has shape {values.shape}, expected ({n},)")
+        arrays[f.name] = values
+    return n, arrays, categories

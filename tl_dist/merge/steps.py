@@ -1,0 +1,128 @@
+"""One captured step of a merge: join its collectives, judge them, align its clocks, time it.
+
+The merge runs this once per step over that step's :class:`~.sources.RankData` and keeps only the small results
+(:class:`StepResult` rows); the per-member records can be rebuilt from the shards (:func:`join_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .clocks import ClockSolution, clock_key, estimate_clocks
+from .match import Finding, Joined, ending, match_step
+from .sources import RankData
+from .timing import breakdown_row, collective_timing, straggler_rows
+
+# What an incomplete shard says about how its window ended, copied into findings' ``where``.
+ENDED_KEYS = ("end_reason", "error", "stack_at", "stack")
+
+
+def ended_info(data: RankData) -> dict[str, Any]:
+    """How an incomplete shard's window ended and where its thread was; {} for a complete shard."""
+    if data.complete:
+        return {}
+    meta = data.metadata
+    return {k: meta[k] for k in ENDED_KEYS if meta.get(k)} or {"end_reason": "unknown"}
+
+
+def join_step(step: int, data: dict[int, RankData], absent: set[int]) -> tuple[list[Joined], list[Finding]]:
+    """Join and judge one step's collectives (``data``: per rank with a readable shard)."""
+    return match_step(
+        step,
+        {r: d.entries or [] for r, d in data.items()},
+        incomplete={r for r, d in data.items() if not d.complete},
+        absent=absent,
+        last_op={r: d.last_op for r, d in data.items()},
+        ended={r: info for r, d in data.items() if (info := ended_info(d))},
+    )
+
+
+def shard_findings(
+    step: int,
+    data: dict[int, RankData],
+    *,
+    absent: set[int],
+    errors: dict[tuple[int, int], str],
+    world_size: int,
+    written: dict[int, list[int]],
+) -> list[Finding]:
+    """Findings about the shards themselves: ``unreadable_shard``, ``missing_rank`` (with the last step that
+    rank wrote a shard for) and ``incomplete_shard`` (how its window ended, where its thread was)."""
+    out = []
+    for r in sorted(absent):
+        err = errors.get((step, r))
+        if err is not None:
+            out.append(Finding("unreadable_shard", step, (), -1, (r,), f"rank {r}: {err}"))
+            continue
+        earlier = [s for s in written.get(r, ()) if s < step]
+        last = max(earlier) if earlier else None
+        tail = f"its last shard is step {last}" if last is not None else "no earlier shard of it was found"
+        out.append(
+            Finding(
+                "missing_rank",
+                step,
+                (),
+                -1,
+                (r,),
+                f"no shard for rank {r} of {world_size} ({tail}): it died or hung before its window ended, "
+                "without a post-mortem (SIGKILL, a C++ abort)",
+                {r: {"absent": True, "last_step": last}},
+            )
+        )
+    for r, d in sorted(data.items()):
+        info = ended_info(d)
+        if not info:
+            continue
+        message = f"rank {r}'s window ended early: {ending(info)}"
+        if info.get("stack_at"):
+            message += f"; it was at {info['stack_at']}"
+        failed = d.failed_op or {}
+        if failed.get("func"):
+            message += f"; op in flight: {failed['func']}"
+        last = {f"last_{k}": v for k, v in d.last_op.items()}
+        out.append(Finding("incomplete_shard", step, (), -1, (r,), message, {r: {**last, **info}}))
+    return out
+
+
+@dataclass
+class StepResult:
+    """The kept results of one step."""
+
+    step: int
+    findings: list[Finding]
+    clocks: ClockSolution
+    collective_rows: list[tuple] = field(default_factory=list)
+    straggler_rows: list[dict[str, Any]] = field(default_factory=list)
+    breakdown_rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def analyse_step(
+    step: int,
+    data: dict[int, RankData],
+    *,
+    absent: set[int],
+    errors: dict[tuple[int, int], str],
+    world_size: int,
+    written: dict[int, list[int]],
+) -> tuple[StepResult, list[Joined], list[dict[str, Any]]]:
+    """Everything the merge computes for one step; also returns its joined collectives and their timings."""
+    from .views import collective_row
+
+    joined, found = join_step(step, data, absent)
+    findings = shard_findings(
+        step, data, absent=absent, errors=errors, world_size=world_size, written=written
+    )
+    clocks = estimate_clocks(joined, {r: clock_key(r, d.metadata) for r, d in data.items()})
+    timings = [collective_timing(j, clocks) for j in joined]
+    stragglers = straggler_rows(joined, timings)
+    waits = {row["rank"]: row["wait_ns"] for row in stragglers}
+    result = StepResult(
+        step,
+        findings + found,
+        clocks,
+        [collective_row(j, t) for j, t in zip(joined, timings)],
+        stragglers,
+        [breakdown_row(step, r, d.n_ops, d.local, waits.get(r, 0)) for r, d in sorted(data.items())],
+    )
+    return result, joined, timings
