@@ -28,6 +28,7 @@ def coll(
     is_async=False,
     out_numel=None,
     compute_ns=0,
+    root=-1,
 ):
     """One collective of a rank's script: issued at ``issue`` ns after the previous op ended (``compute_ns``
     of compute before it), completed at ``complete`` (absolute, rank clock) or right after issue."""
@@ -45,6 +46,7 @@ def coll(
         is_async=is_async,
         out_numel=out_numel,
         compute_ns=compute_ns,
+        root=root,
     )
 
 
@@ -88,7 +90,7 @@ def make_trace(
                     group_desc="default_pg",
                     seq=seqs[group] if func not in ("send", "recv") else -1,
                     reduce_op="sum" if func in ("all_reduce", "reduce_scatter") else "",
-                    root=-1,
+                    root=c["root"],
                     peer=c["peer"],
                     in_numel=c["numel"] * i_mul,
                     out_numel=out_numel,
@@ -113,7 +115,8 @@ def make_trace(
     mods = {"address": [], "type": [], "call": [], "parent": [], "depth": [], "first_op": [], "end_op": []}
     mods.update(out_ops=[], out_pos=[])
     meta = {"rank": rank, "world_size": world_size, "step": step, "complete": complete}
-    meta.update(host=host, boot_id=f"boot-of-{host}", **(metadata or {}))
+    meta.update({"host": host, "boot_id": f"boot-of-{host}"})
+    meta.update(metadata or {})
     return Trace(columns, mods, collective_table=ct, metadata=meta)
 
 

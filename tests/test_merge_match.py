@@ -247,5 +247,3 @@ def test_progress_bar_and_multiple_steps(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"steps \[10, 20\]; pass step="):
         g.rank(0)
     assert g.rank(1, step=20).metadata["step"] == 20
-
-

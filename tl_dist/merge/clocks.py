@@ -150,9 +150,10 @@ def estimate_clocks(joined: list[Joined], clock_of: dict[int, tuple]) -> ClockSo
         if d >= _HALF or e >= _HALF:
             sol.offsets[r], sol.uncertainty[r], sol.method[r] = 0, None, "none"
             continue
-        # [lower, upper] = [-e, d]: midpoint and half-width (rounded up, so the interval stays covered).
+        # [lower, upper] = [-e, d]: midpoint and half-width (rounded up, so the interval stays covered); bounds
+        # that had to be widened to agree leave that much doubt on top.
         sol.offsets[r] = (d - e) // 2
-        sol.uncertainty[r] = (d + e + 1) // 2
+        sol.uncertainty[r] = (d + e + 1) // 2 + violation
         sol.method[r] = "estimated"
     return sol
 
@@ -271,8 +272,8 @@ def _solve(edges: _Edges, n_clocks: int, roots: list[int]) -> tuple[np.ndarray, 
     found = attempt(0)
     if found is not None:
         return found[0], found[1], 0
-    # Contradictory bounds: the least widening of every bound that makes them agree, to ~0.1 % (doubling, then
-    # bisection).
+    # Contradictory bounds: the least widening of every bound that makes them agree (doubling, then bisection to
+    # the ns).
     hi = 1_000
     while (found := attempt(hi)) is None:
         hi *= 2
@@ -280,9 +281,9 @@ def _solve(edges: _Edges, n_clocks: int, roots: list[int]) -> tuple[np.ndarray, 
             never = np.full(n_clocks, _INF, dtype=np.int64)
             never[roots] = 0
             return never, never, 0
-    lo = hi // 2
+    lo = hi // 2 if hi > 1_000 else 0  # the last widening that failed
     best = found
-    while hi - lo > max(1, hi // 1000):
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         got = attempt(mid)
         if got is None:

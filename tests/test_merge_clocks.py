@@ -1,0 +1,319 @@
+"""Clock alignment and wait blame on hand-written shards (written with the real writer), with exact expectations.
+
+Shards made by ``merge_synth.make_trace`` name a host (and its boot id); ranks given the same host share a clock.
+"""
+
+import random
+
+import pandas as pd
+import pytest
+from merge_synth import coll, make_trace, write_run
+
+from tl_dist.merge import merge_ranks
+
+A, B, C = "train.py:10", "train.py:11", "train.py:12"
+T = 10**12
+
+
+def _run(tmp_path, scripts, hosts=None, **kw):
+    hosts = hosts or ["node0"] * len(scripts)
+    traces = [make_trace(r, s, world_size=len(scripts), host=hosts[r]) for r, s in enumerate(scripts)]
+    write_run(tmp_path, traces)
+    return merge_ranks(tmp_path, **kw)
+
+
+def test_offset_is_the_midpoint_of_the_causality_bounds(tmp_path):
+    # Rank 1 is on another host whose clock runs SHIFT ahead. True times of six all_reduces (us after base):
+    #   k  rank 0 in  rank 1 in  release   rank 0 sees done  rank 1 sees done   async
+    #   0     0        300       310             310              310
+    #   1   200          0       220             220              220            yes (awaited at once)
+    #   2    50          0        90              90              120            (rank 1 saw it 30 us late)
+    #   3     0        100       115             120              115
+    #   4     0          0        25              25               25
+    #   5     0       1000      1012            1012             1012
+    #   6     0         25        35              35               35
+    # offset(1) - SHIFT <= min_k(rank 1 done - rank 0 in)  = min(310, 20, 70, 115, 25, 1012, 35) = 20   (k=1)
+    # offset(1) - SHIFT >= max_k(rank 1 in - rank 0 done)  = max(-10, -220, -90, -20, -25, -12, -10) = -10
+    # -> offset SHIFT + 5 us, uncertainty 15 us.
+    shift = 3_000_000_000
+    rows = [
+        (0, 300, 310, 310, False),
+        (200, 0, 220, 220, True),
+        (50, 0, 90, 120, False),
+        (0, 100, 120, 115, False),
+        (0, 0, 25, 25, False),
+        (0, 1000, 1012, 1012, False),
+        (0, 25, 35, 35, False),
+    ]
+    s0, s1 = [], []
+    for k, (a0, a1, d0, d1, is_async) in enumerate(rows):
+        base = T + k * 10_000_000
+        us = 1_000
+        s0.append(coll(source=A, issue=base + a0 * us, complete=base + d0 * us, is_async=is_async))
+        s1.append(
+            coll(source=A, issue=base + a1 * us + shift, complete=base + d1 * us + shift, is_async=is_async)
+        )
+    g = _run(tmp_path, [s0, s1], hosts=["node0", "node1"])
+    assert g.findings == []
+    assert g.offsets == {(0, 0): 0, (0, 1): shift + 5_000}
+    clocks = g.clocks.set_index("rank")
+    assert clocks.loc[1, "uncertainty_ns"] == 15_000 and clocks.loc[1, "method"] == "estimated"
+    assert clocks.loc[1, "collectives"] == 7 and clocks.loc[0, "method"] == "same-host"
+    assert g.clock_solutions[0].violation_ns == 0
+    # Aligned, rank 1 arrives 5 us earlier than true. Waits beyond the 15 us uncertainty blame the last arriver:
+    # rank 1 kept rank 0 waiting 295 + 95 + 995 + 20 us (k=0, 3, 5, 6), rank 0 kept rank 1 205 + 55 (k=1, 2);
+    # k=4's 5 us is within the uncertainty.
+    strag = g.stragglers().set_index("rank")
+    assert strag.loc[1, "caused_wait_ns"] == 1_405_000 and strag.loc[1, "last_count"] == 4
+    assert strag.loc[0, "caused_wait_ns"] == 260_000 and strag.loc[0, "last_count"] == 2
+    assert strag.loc[1, "uncertain_wait_ns"] == 5_000 and strag.loc[0, "uncertain_wait_ns"] == 0
+
+
+def test_same_host_offsets_are_zero_by_construction(tmp_path):
+    # The issue's DDP case: one host, rank 1 observes its async bucket's completion 2.875 ms late, and issued
+    # it 90 us before rank 0. One clock: offset 0 whatever the completions say; rank 1 waited 90 us for rank 0.
+    s0 = [coll(source=A, issue=T + 90_000, complete=T + 200_000, is_async=True)]
+    s1 = [coll(source=A, issue=T, complete=T + 3_075_000, is_async=True)]
+    g = _run(tmp_path, [s0, s1])
+    assert g.offsets == {(0, 0): 0, (0, 1): 0}
+    assert list(g.clocks.method) == ["same-host", "same-host"]
+    assert list(g.clocks.uncertainty_ns) == [0, 0]
+    assert list(g.clocks.collectives) == [0, 0]  # nothing estimated
+    strag = g.stragglers().set_index("rank")
+    assert strag.loc[0, "caused_wait_ns"] == 90_000 and strag.loc[1, "caused_wait_ns"] == 0
+    assert strag.loc[1, "wait_ns"] == 90_000 and strag.loc[1, "uncertain_wait_ns"] == 0
+
+
+def test_same_host_needs_the_same_boot(tmp_path):
+    # Same host name, another boot (a reboot, or two containers named alike): not one clock.
+    s0 = [
+        coll(source=A, issue=T, complete=T + 50_000),
+        coll(source=B, issue=T + 10**7, complete=T + 10**7 + 50_000),
+    ]
+    traces = [
+        make_trace(0, s0, host="node0"),
+        make_trace(1, s0, host="node0", metadata={"boot_id": "another-boot"}),
+    ]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path)
+    assert list(g.clocks.method) == ["same-host", "estimated"]
+    assert g.clocks.uncertainty_ns[1] == 50_000  # both in together, both done 50 us later: +- 50 us
+
+
+def test_a_constant_lateness_across_hosts_is_not_blamed(tmp_path):
+    # Rank 1 (other host) always arrives 2 ms after rank 0: indistinguishable from its clock being 2 ms behind,
+    # so the wait is within the uncertainty and blames nobody.
+    s0, s1 = [], []
+    for k in range(5):
+        base = T + k * 10_000_000
+        s0.append(coll(source=A, issue=base, complete=base + 2_010_000))
+        s1.append(coll(source=A, issue=base + 2_000_000, complete=base + 2_010_000))
+    g = _run(tmp_path, [s0, s1], hosts=["node0", "node1"])
+    # offset in [-10 us, 2.01 ms]: midpoint 1 ms, half-width 1.01 ms; aligned skew 1 ms < 1.01 ms.
+    assert g.offsets[(0, 1)] == 1_000_000 and g.clocks.uncertainty_ns[1] == 1_010_000
+    strag = g.stragglers().set_index("rank")
+    assert strag.caused_wait_ns.sum() == 0 and strag.wait_ns.sum() == 0
+    assert strag.loc[0, "uncertain_wait_ns"] == 5 * 1_000_000
+    assert list(g.collectives.last_rank) == [-1] * 5
+    assert "stragglers: none beyond the clock uncertainty" in g.summary()
+
+
+def test_ranks_on_one_clock_compare_exactly_whatever_its_offset(tmp_path):
+    # Ranks 1 and 2 share host node1, whose offset to rank 0's host is known only to +- 1 ms. Between themselves
+    # there is no doubt: rank 2 arriving 300 us after rank 1 in their own group is a 300 us wait.
+    s0, s1, s2 = [], [], []
+    for k in range(3):
+        base = T + k * 10_000_000
+        s0.append(coll(source=A, group=(0, 1, 2), issue=base, complete=base + 1_000_000))
+        s1.append(coll(source=A, group=(0, 1, 2), issue=base + 1_000_000, complete=base + 1_000_000))
+        s2.append(coll(source=A, group=(0, 1, 2), issue=base + 1_000_000, complete=base + 1_000_000))
+        s1.append(coll(source=B, group=(1, 2), issue=base + 5_000_000, complete=base + 5_310_000))
+        s2.append(coll(source=B, group=(1, 2), issue=base + 5_300_000, complete=base + 5_310_000))
+    g = _run(tmp_path, [s0, s1, s2], hosts=["node0", "node1", "node1"])
+    assert list(g.clocks.uncertainty_ns) == [0, 500_000, 500_000]
+    strag = g.stragglers().set_index("rank")
+    assert strag.loc[2, "caused_wait_ns"] == 3 * 300_000 and strag.loc[1, "wait_ns"] == 3 * 300_000
+    assert strag.loc[0, "caused_wait_ns"] == 0 and strag.loc[0, "uncertain_wait_ns"] == 3 * 500_000
+
+
+def test_straggler_named_first_and_waits_reflect_sleep(tmp_path):
+    sleep = 200_000_000
+    s0, s1 = [], []
+    for k in range(4):
+        base = T + k * 1_000_000_000
+        done = base + sleep + 100_000
+        s0.append(coll(source=A, issue=base, complete=done))  # rank 0 waits for rank 1
+        s1.append(coll(source=A, issue=base + sleep, complete=done))
+    g = _run(tmp_path, [s0, s1])
+    strag = g.stragglers()
+    assert list(strag["rank"]) == [1, 0]
+    assert strag.loc[0, "caused_wait_ns"] == 4 * sleep and strag.loc[0, "last_count"] == 4
+    assert strag.loc[1, "wait_ns"] == 4 * sleep and strag.loc[0, "wait_ns"] == 0
+    assert set(g.collectives.skew_ns) == {sleep}
+    tb = g.time_breakdown().set_index("rank")
+    assert tb.loc[0, "wait_ns"] == 4 * sleep and tb.loc[0, "comm_ns"] > tb.loc[1, "comm_ns"]
+
+
+def test_overlapping_async_waits_count_once(tmp_path):
+    # DDP-style: rank 1 issues three async bucket all-reduces 100 ms after rank 0, all in flight together.
+    # Rank 0 waited 100 ms of wall time, not 3 x 100 ms.
+    late = 100_000_000
+    done = T + late + 5_000_000
+    s0 = [coll(source=src, issue=T + k, complete=done, is_async=True) for k, src in enumerate((A, B, C))]
+    s1 = [
+        coll(source=src, issue=T + late + k, complete=done, is_async=True) for k, src in enumerate((A, B, C))
+    ]
+    g = _run(tmp_path, [s0, s1])
+    strag = g.stragglers().set_index("rank")
+    # wait intervals [T + k, T + late + k] for k = 0, 1, 2: their union is late + 2 ns (summed: 3 x late)
+    assert strag.loc[0, "wait_ns"] == late + 2 and strag.loc[1, "caused_wait_ns"] == late + 2
+    assert strag.loc[1, "last_count"] == 3 and strag.loc[1, "wait_ns"] == 0
+    tb = g.time_breakdown().set_index("rank")
+    assert tb.loc[0, "wait_ns"] == late + 2
+
+
+def test_offsets_chain_through_pairwise_groups(tmp_path):
+    # Ranks 0-1, 1-2 and 2-3 (four hosts) share collectives, 0 and 3 never do: rank 3's offset comes through the
+    # chain. Each pair issues together and completes 50 us later: +- 50 us per link, adding up along the chain.
+    shifts = [0, 7_000_000, -3_000_000, 11_000_000]
+    scripts: list[list] = [[] for _ in range(4)]
+    for k in range(5):
+        for a in range(3):
+            done = T + (k * 3 + a + 1) * 1_000_000
+            for r in (a, a + 1):
+                scripts[r].append(
+                    coll(
+                        source=A, group=(a, a + 1), issue=done - 50_000 + shifts[r], complete=done + shifts[r]
+                    )
+                )
+    g = _run(tmp_path, scripts, hosts=[f"node{r}" for r in range(4)])
+    assert g.findings == []
+    assert g.offsets == {(0, r): s for r, s in enumerate(shifts)}
+    assert list(g.clocks.uncertainty_ns) == [0, 50_000, 100_000, 150_000]
+    assert list(g.clocks.reference) == [0, 0, 0, 0]
+
+
+def test_contradictory_bounds_are_widened_and_reported(tmp_path):
+    # Rank 1's clock stepped between two collectives: k=0 says offset(1) <= 10 us, k=1 says >= 30 us. The least
+    # widening of both bounds that makes them agree is 10 us each: offset 20 us, +- 10 us.
+    s0 = [coll(source=A, issue=T, complete=T + 10_000), coll(source=B, issue=T + 10**7, complete=T + 10**7)]
+    s1 = [
+        coll(source=A, issue=T, complete=T + 10_000),
+        coll(source=B, issue=T + 10**7 + 30_000, complete=T + 10**7 + 30_000),
+    ]
+    g = _run(tmp_path, [s0, s1], hosts=["node0", "node1"])
+    assert g.clock_solutions[0].violation_ns == 10_000
+    assert g.offsets[(0, 1)] == 20_000 and g.clocks.uncertainty_ns[1] == 10_000
+    assert "contradicted causality by 0.010 ms" in g.summary()
+
+
+def test_offsets_are_per_step(tmp_path):
+    # Between two captured windows the other host's clock drifted by 40 us: each step gets its own offset.
+    traces = []
+    for step, drift in ((10, 0), (20, 40_000)):
+        s0, s1 = [], []
+        for k, (a0, a1) in enumerate([(0, 100_000), (100_000, 0)]):
+            base = T + step * 10**9 + k * 10**7
+            done = base + 110_000
+            s0.append(coll(source=A, issue=base + a0, complete=done))
+            s1.append(coll(source=A, issue=base + a1 + drift, complete=done + drift))
+        traces += [make_trace(0, s0, step=step), make_trace(1, s1, step=step, host="node1")]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path)
+    # bounds per step: <= min(done - in_0) = 10 us; >= max(in_1 - done) = -10 us: offset drift +- 10 us
+    assert g.offsets == {(10, 0): 0, (10, 1): 0, (20, 0): 0, (20, 1): 40_000}
+    assert list(g.clocks.uncertainty_ns) == [0, 10_000, 0, 10_000]
+
+
+# -- against an independent reference -------------------------------------------------------------------------
+ALL = ("all_reduce", "all_gather", "barrier")
+
+
+def _random_run(seed):
+    """Random collectives over random groups of 3-5 ranks on 2-5 clocks, physically consistent true times."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 5)
+    host_of = [0] + [rng.randint(0, n - 1) for _ in range(n - 1)]
+    shift = {h: rng.randint(-(10**9), 10**9) if h else 0 for h in set(host_of)}
+    scripts: list[list] = [[] for _ in range(n)]
+    records = []  # (kind, members, root, {rank: (issue, complete)}) on the ranks' clocks
+    for k in range(14):
+        kind = rng.choice(ALL + ("broadcast", "reduce", "send"))
+        members = sorted(rng.sample(range(n), 2 if kind == "send" else rng.randint(2, n)))
+        if k < 2:
+            kind, members = "all_reduce", list(range(n))  # everyone linked at least once
+        base = T + k * 10_000_000
+        arrive = {r: base + rng.randint(0, 2_000_000) for r in members}
+        root = rng.choice(members)
+        if kind == "send":
+            sources, sinks = [root], [r for r in members if r != root]
+        elif kind == "broadcast":
+            sources, sinks = [root], [r for r in members if r != root]
+        elif kind == "reduce":
+            sources, sinks = members, [root]
+        else:
+            sources, sinks = members, members
+        release = max(arrive[s] for s in sources) + rng.randint(5_000, 50_000)
+        times = {}
+        for r in members:
+            late = rng.choice([0, 0, rng.randint(0, 300_000)])  # now and then seen late (async wait)
+            done = max(release, arrive[r]) + late if r in sinks else arrive[r] + rng.randint(1_000, 9_000)
+            times[r] = (arrive[r] + shift[host_of[r]], done + shift[host_of[r]])
+        records.append((kind, members, root, sources, sinks, times))
+        for r in members:
+            issue, complete = times[r]
+            if kind == "send":
+                func, peer = ("send", sinks[0]) if r == root else ("recv", root)
+                scripts[r].append(coll(func, group=tuple(members), peer=peer, issue=issue, complete=complete))
+            else:
+                out = 4 * len(members) if kind == "all_gather" else None
+                scripts[r].append(
+                    coll(kind, group=tuple(members), root=root, issue=issue, complete=complete, out_numel=out)
+                )
+    return n, host_of, shift, scripts, records
+
+
+def _reference(n, host_of, records):
+    """Plain-Python reference: pairwise bounds o_a - o_b <= min(complete on a - issue on b), closed with
+    Floyd-Warshall over the clocks; offset = interval midpoint against clock 0, uncertainty = half-width."""
+    inf = float("inf")
+    clocks = sorted(set(host_of))
+    bound = {(a, b): (0 if a == b else inf) for a in clocks for b in clocks}
+    for _, _, _, sources, sinks, times in records:
+        for r in sinks:
+            for s in sources:
+                a, b = host_of[r], host_of[s]
+                if a != b:
+                    bound[(a, b)] = min(bound[(a, b)], times[r][1] - times[s][0])
+    for m in clocks:
+        for a in clocks:
+            for b in clocks:
+                bound[(a, b)] = min(bound[(a, b)], bound[(a, m)] + bound[(m, b)])
+    out = {}
+    for r in range(n):
+        up, down = bound[(host_of[r], 0)], bound[(0, host_of[r])]  # o_r - o_0 <= up, o_0 - o_r <= down
+        if host_of[r] == 0:
+            out[r] = (0, 0, "same-host")
+        elif up == inf or down == inf:
+            out[r] = (0, None, "none")
+        else:
+            out[r] = ((up - down) // 2, (up + down + 1) // 2, "estimated")
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_offsets_match_an_independent_reference(tmp_path, seed):
+    n, host_of, shift, scripts, records = _random_run(seed)
+    traces = [make_trace(r, scripts[r], world_size=n, host=f"node{host_of[r]}") for r in range(n)]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path)
+    assert g.findings == []
+    expected = _reference(n, host_of, records)
+    clocks = g.clocks.set_index("rank")
+    for r in range(n):
+        offset, unc, method = expected[r]
+        got_unc = clocks.loc[r, "uncertainty_ns"]
+        got = (g.offsets[(0, r)], None if pd.isna(got_unc) else int(got_unc), clocks.loc[r, "method"])
+        assert got == (offset, unc, method), (seed, r)
+        if method == "estimated":  # the true offset lies within the reported interval
+            assert abs(shift[host_of[r]] - offset) <= unc
