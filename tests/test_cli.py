@@ -59,3 +59,45 @@ def test_summary_of_one_shard_reports_the_other_ranks_missing(tmp_path, capsys):
     assert main(["summary", str(run / "rank00000" / "step00000000.h5"), "--no-fail"]) == 0
     out = capsys.readouterr().out
     assert "1/2 ranks" in out and "missing_rank: no shard for rank 1 of 2" in out
+
+
+def test_an_incomplete_shard_fails_the_merge(tmp_path, capsys):
+    # Every collective matched, but rank 1's window was cut short by SIGTERM: that alone is a finding.
+    ended = {"end_reason": "SIGTERM", "stack_at": "/job/train.py:42 in time.sleep"}
+    traces = [
+        make_trace(0, [coll(source=A)]),
+        make_trace(1, [coll(source=A)], complete=False, metadata=ended),
+    ]
+    write_run(tmp_path / "run", traces)
+    assert main(["merge", str(tmp_path / "run"), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "incomplete_shard: rank 1's window ended early: SIGTERM; it was at /job/train.py:42 in time.sleep"
+        in out
+    )
+
+
+def test_step_and_rank_filters(tmp_path, capsys):
+    traces = [
+        make_trace(r, [coll(source=A, group=(0, 1, 2))], world_size=3, step=s)
+        for s in (10, 20)
+        for r in range(3)
+    ]
+    write_run(tmp_path / "run", traces)
+    run = str(tmp_path / "run")
+    assert main(["summary", run, "--step", "20", "--rank", "0,2"]) == 0
+    assert "tl_dist merged trace: 2/3 ranks, steps [20], 4 ops, 1 collectives" in capsys.readouterr().out
+    assert main(["export", run, "--perfetto", str(tmp_path / "t.json"), "--rank", "1-2", "--step", "10"]) == 0
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {1, 2} and {e["args"]["step"] for e in events if e["ph"] == "X"} == {
+        10
+    }
+    assert main(["merge", run, "-o", str(tmp_path / "m.h5"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["summary", str(tmp_path / "m.h5"), "--rank", "1"]) == 0  # a merged file filters the same way
+    assert "1/3 ranks, steps [10, 20]" in capsys.readouterr().out
+    assert main(["summary", run, "--step", "30"]) == 2
+    assert "no shards for steps=[30], ranks=all: the shards have steps [10, 20]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["summary", run, "--rank", "3-1"])
+    assert exc.value.code == 2 and "A <= B" in capsys.readouterr().err

@@ -223,6 +223,33 @@ def test_missing_rank_names_the_last_step_it_wrote(tmp_path):
     assert f.where == {1: {"absent": True, "last_step": 20}}
 
 
+def test_steps_and_ranks_select_part_of_a_run(tmp_path):
+    # 4 ranks, steps 10, 20, 30; at step 20 rank 2 skips B. Ranks not chosen are neither missing nor blamed.
+    traces = []
+    for step in (10, 20, 30):
+        for r in range(4):
+            script = [coll(source=A, group=(0, 1, 2, 3)), coll(source=B, group=(0, 1, 2, 3))]
+            if step == 20 and r == 2:
+                script = script[:1]
+            traces.append(make_trace(r, script, world_size=4, step=step))
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path, steps=[20, 30], ranks=[0, 2])
+    assert (g.steps, g.ranks, g.world_size) == ([20, 30], [0, 2], 4)
+    f = _only(g)
+    assert (f.kind, f.step, f.ranks, f.seq) == ("missing", 20, (2,), 2)
+    assert list(g.collectives.ranks) == [(0, 2), (0,), (0, 2), (0, 2)]
+    assert set(g.time_breakdown()["rank"]) == {0, 2}
+    assert merge_ranks(tmp_path, steps=range(10, 11)).steps == [10]
+    with pytest.raises(ValueError, match="steps must be None or a collection"):
+        merge_ranks(tmp_path, steps=20)
+    with pytest.raises(ValueError, match="ranks must hold non-negative ints"):
+        merge_ranks(tmp_path, ranks=[-1])
+    with pytest.raises(ValueError, match=r"ranks: \[7\] outside the world of 4 ranks"):
+        merge_ranks(tmp_path, ranks=[0, 7])
+    with pytest.raises(tl.MergeError, match=r"no shards for steps=\[99\], ranks=all: the shards have steps"):
+        merge_ranks(tmp_path, steps=[99])
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(tl.MergeError, match="holds no shards"):
         merge_ranks(tmp_path)

@@ -4,7 +4,7 @@ Example:
     $ tl-dist merge runs/job42 -o job42.h5     # exit code 1 when findings exist
     $ tl-dist summary job42.h5                 # a merged file, a run directory or one shard
     $ tl-dist draw runs/job42 -o job42.svg
-    $ tl-dist export runs/job42 --perfetto job42.json
+    $ tl-dist export runs/job42 --perfetto job42.json --step 100 --rank 0-7
 
 Exit codes: 0 success, 1 findings exist (unless ``--no-fail``), 2 bad input (missing, unreadable or
 unmergeable shards; a message names the file).
@@ -24,13 +24,14 @@ from .errors import TlDistError
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
 
-def _open(path: str, *, strict: bool, progress: bool) -> Any:
-    """A MergedTrace from a run directory, a merged ``.h5`` file, or a single shard."""
+def _open(path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: Any = None) -> Any:
+    """A MergedTrace from a run directory, a merged ``.h5`` file, or a single shard (only ``steps`` / ``ranks``
+    when given)."""
     from .merge import load_merged, merge_ranks
 
     p = Path(path)
     if p.is_dir():
-        return merge_ranks(p, strict=strict, progress=progress)
+        return merge_ranks(p, strict=strict, progress=progress, steps=steps, ranks=ranks)
     if not p.exists():
         raise TlDistError(f"{path}: no such file or directory (expected a run directory or a merged .h5)")
     import h5py
@@ -41,9 +42,26 @@ def _open(path: str, *, strict: bool, progress: bool) -> Any:
     except OSError as exc:
         raise TlDistError(f"{path}: not a readable HDF5 file: {exc}") from exc
     if merged:
-        return load_merged(p)
+        return load_merged(p, steps=steps, ranks=ranks)
     # One shard: the other ranks of its world are reported as missing_rank findings rather than refused.
-    return merge_ranks([p], strict=False, progress=progress)
+    return merge_ranks([p], strict=False, progress=progress, steps=steps, ranks=ranks)
+
+
+def _int_list(text: str) -> list[int]:
+    """``--step`` / ``--rank`` values: ``3``, ``0-7`` or a comma list of those (``0-3,8``)."""
+    out: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected N, A-B or a comma list of them, got {text!r}"
+            ) from None
+        if lo < 0 or hi < lo:
+            raise argparse.ArgumentTypeError(f"expected non-negative N or A-B with A <= B, got {part!r}")
+        out.extend(range(lo, hi + 1))
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +77,16 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--lenient", action="store_true", help="merge despite missing/unreadable shards")
         p.add_argument("--no-fail", action="store_true", help="exit 0 even when findings exist")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.add_argument(
+            "--step",
+            type=_int_list,
+            action="extend",
+            metavar="STEPS",
+            help="only these steps: 100, 100-200, 1,5",
+        )
+        p.add_argument(
+            "--rank", type=_int_list, action="extend", metavar="RANKS", help="only these ranks: 0-7,12"
+        )
 
     p = sub.add_parser("merge", help="merge a run's shards, print the findings, optionally save the result")
     common(p)
@@ -80,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     progress = not args.quiet and sys.stderr.isatty()
     try:
-        g = _open(args.path, strict=not args.lenient, progress=progress)
+        g = _open(args.path, strict=not args.lenient, progress=progress, steps=args.step, ranks=args.rank)
         if args.command == "merge":
             print(repr(g))
             for f in g.findings:
