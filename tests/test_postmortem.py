@@ -8,6 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 from torch import nn
@@ -41,7 +42,20 @@ def test_exception_in_window_leaves_incomplete_shard_naming_the_op(tmp_path):
     assert trace.metadata["error"].startswith("RuntimeError: ")
     assert trace.failed_op["func"] == "mm" and trace.failed_op["aten"] == "aten.mm.default"
     assert trace.failed_op["index"] == len(trace)  # the op that raised has no row: it never finished
-    assert trace.failed_op["source"].endswith("test_postmortem.py:31")
+    mm_line = _line("3x4 @ 5x5: mm raises")
+    assert trace.failed_op["source"] == f"{__file__}:{mm_line}"
+    # Where the window's thread was: the raise point, in the user's code, named by the call it was making.
+    assert trace.metadata["stack_at"] == f"{__file__}:{mm_line} in torch.mm"
+    stack = trace.metadata["stack"]
+    assert f"{__file__}:{mm_line} in Bad.forward -> torch.mm" in stack
+    assert stack.index(f"{__file__}:{mm_line} in Bad.forward -> torch.mm") > stack.index(
+        f"{__file__}:{_line('Bad()(torch.randn(3, 4))')} in "
+        "test_exception_in_window_leaves_incomplete_shard_naming_the_op -> Bad()"
+    )
+    with h5py.File(rank_dir / "step00000012.h5", "r") as f:  # plain variable-length strings, no pickle
+        assert h5py.check_string_dtype(f["stack"].dtype).encoding == "utf-8"
+        assert f["stack"].asstr()[()].tolist() == stack
+        assert f.attrs["stack_at"] == trace.metadata["stack_at"]
     # The ops before the failure are there, with their saved outputs.
     assert "relu" in [op.func for op in trace] and trace["relu_1"].out.shape == (3, 4)
 
@@ -101,6 +115,19 @@ def test_sigterm_in_window_writes_incomplete_shard_and_terminates(tmp_path):
     assert trace.metadata["complete"] is False and trace.metadata["end_reason"] == "SIGTERM"
     funcs = [op.func for op in trace]
     assert funcs[0] == "ones" and funcs.count("add") > 10
+    # The handler ran between bytecodes of the loop: the stack ends in one of its lines.
+    script = tmp_path / "child.py"
+    loop = {
+        _line("while not (out", script),
+        _line("for _ in range(50)", script),
+        _line("x = x.add(1)", script),
+    }
+    assert trace.metadata["stack"][
+        0
+    ] == f"{script}:{_line('with tl.capture(step=3)', script)} in <module>" or any(
+        trace.metadata["stack"][0].startswith(f"{script}:{n} in <module>") for n in loop
+    )
+    assert trace.metadata["stack_at"].startswith(tuple(f"{script}:{n} in " for n in loop)), trace.metadata
     if trace.failed_op is not None:  # the signal landed inside an op: it is named as in flight
         assert trace.failed_op["func"] in ("add", "mul") and trace.failed_op["index"] == len(trace)
 
@@ -227,6 +254,12 @@ def test_sigterm_to_rank_hung_in_collective_leaves_evidence(tmp_path):
     table = trace.collective_table
     assert table["state"] == ["issued"] and table["op"] == [last.index]
     assert table["group_ranks"] == [(0, 1)]
+    # Written by the watcher thread: the stack is the main thread's, blocked in the all-reduce.
+    script = tmp_path / "child.py"
+    assert (
+        trace.metadata["stack_at"]
+        == f"{script}:{_line('dist.all_reduce(x)  # blocks', script)} in dist.all_reduce"
+    )
 
 
 @pytest.mark.slow
@@ -245,3 +278,43 @@ def test_sigterm_outside_a_window_terminates_without_a_shard(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM
     assert list((tmp_path / "run" / "rank00000").iterdir()) == []
+
+
+ATEXIT_WINDOW = """
+    import sys, threading, time, torch, tl_dist as tl
+    from pathlib import Path
+    out = Path(sys.argv[1])
+    tl.arm(out / "run")
+
+    def work():
+        with tl.capture(step=4):
+            torch.ones(3).add(1)
+            (out / "ready").touch()
+            time.sleep(60)  # still inside the window when the interpreter exits
+
+    threading.Thread(target=work, daemon=True).start()
+    while not (out / "ready").exists():
+        time.sleep(0.01)
+    sys.exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_exit_with_a_window_open_in_another_thread_records_that_threads_stack(tmp_path):
+    proc = _spawn(tmp_path, ATEXIT_WINDOW)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    trace = tl.load(tmp_path / "run" / "rank00000" / "step00000004.h5")
+    assert trace.metadata["end_reason"] == "atexit" and trace.metadata["complete"] is False
+    script = tmp_path / "child.py"
+    assert trace.metadata["stack_at"] == f"{script}:{_line('time.sleep(60)', script)} in time.sleep"
+    assert trace.metadata["stack"][-1] == f"{script}:{_line('time.sleep(60)', script)} in work -> time.sleep"
+
+
+def _line(text: str, path: Path | None = None) -> int:
+    """Line number of the first line containing ``text`` in ``path`` (this file by default)."""
+    with open(path or __file__) as fh:
+        for n, line in enumerate(fh, 1):
+            if text in line and "_line(" not in line:
+                return n
+    raise AssertionError(text)
