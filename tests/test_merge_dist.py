@@ -8,6 +8,7 @@ op), while the default group keeps the launcher's long timeout for setup and tea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -146,6 +147,22 @@ def test_hang_run_not_completed_from_incomplete_shards(tmp_path):
         hung[op].label: st for op, st in zip(hung.collective_table["op"], hung.collective_table["state"])
     }
     assert states["all_reduce_1"] == "completed" and states["all_reduce_2"] == "issued"
+    # Where each rank was, and how each shard ended: rank 1 in its sleep (SIGTERM; the post-mortem names the
+    # place the signal interrupted, not the test's handler that raised), rank 0 timed out in the all_reduce.
+    sleep_at = f"{__file__}:{_line('hangs until rank 0 gives up')} in time.sleep"
+    assert where[1]["stack_at"] == sleep_at and where[1]["end_reason"] == "SIGTERM"
+    assert where[0]["end_reason"] == "exception" and where[0]["error"].startswith("RuntimeError")
+    assert where[0]["stack_at"] == f"{__file__}:{_line('rank 1 never joins')} in dist.all_reduce"
+    assert f"rank 1 never reached all_reduce_2: it was at {sleep_at}" in primary[0].message
+    assert "incomplete shards: rank 0 exception (RuntimeError" in primary[0].message
+    assert "rank 1 SIGTERM (_Killed:)" in primary[0].message  # the test's handler raised _Killed
+    assert [(f.kind, f.ranks) for f in g.findings if not f.group] == [
+        ("incomplete_shard", (0,)),
+        ("incomplete_shard", (1,)),
+    ]
+    from tl_dist.cli import main
+
+    assert main(["merge", str(tmp_path / "run"), "--quiet"]) == 1
 
 
 def test_deleted_and_corrupt_shards(tmp_path):
@@ -236,7 +253,7 @@ def test_clean_run_every_kind_ddp_fsdp2(tmp_path):
     fsdp = frame[frame.step == 3]
     assert {"all_gather", "reduce_scatter"} <= set(fsdp.func)
     assert all(len(r) == 2 for r in frame.ranks)
-    assert abs(g.offsets[1]) < 50_000_000  # one host: offsets are small
+    assert set(g.clocks.method) == {"same-host"} and set(g.offsets.values()) == {0}  # one host, one clock
     # Perfetto: valid JSON, one process per rank, a flow (start + finish) per joined 2-rank collective.
     import json
 
@@ -261,9 +278,11 @@ def _straggler(rank, world_size, out_dir, shift_ns):
     x = torch.ones(1024)
     with tl.capture():  # not armed yet: warms up the first dispatch-mode use, which is slow
         dist.all_reduce(x)
-    tl.arm(out_dir / "run")
+    # Rank 1 claims another host, whose clock runs shift_ns ahead (the recorder maps perf_counter to
+    # time.time_ns at the window's start): the merge must estimate the offset, not assume one clock.
+    with mock.patch("socket.gethostname", return_value=f"host{rank}"):
+        tl.arm(out_dir / "run")
     dist.barrier()
-    # Rank 1's recorded clock runs shift_ns ahead (the recorder maps perf_counter to time.time_ns at start).
     patch = mock.patch("time.time_ns", lambda: real() + shift_ns) if rank == 1 else mock.MagicMock()
     with patch, tl.capture(step=1):
         for _ in range(4):
@@ -271,9 +290,11 @@ def _straggler(rank, world_size, out_dir, shift_ns):
                 time.sleep(0.2)
             dist.all_reduce(x)
             x = x / 2
-        # More completions for the clock estimate: on 2 shared cores one rank's observation of a completion
-        # is now and then late by milliseconds; the median over 20 shrugs that off.
-        for _ in range(16):
+        # Blocking collectives for the clock bounds, each rank now and then the last to arrive (so they bound
+        # the offset from both sides).
+        for k in range(16):
+            if k % 2 == rank:
+                time.sleep(0.002)
             dist.all_reduce(x)
     tl.disarm()
     return {}
@@ -284,7 +305,11 @@ def test_straggler_and_clock_shift(tmp_path):
     run_ranks(_straggler, world_size=2, tmp_path=tmp_path, args=(shift,), timeout=60)
     g = tl.merge_ranks(tmp_path / "run")
     assert g.findings == []
-    assert abs(g.offsets[1] - shift) < 1_000_000, g.offsets
+    clock = g.clocks.set_index("rank").loc[1]
+    assert clock.method == "estimated" and clock.host == "host1" and clock.collectives == 20
+    # Both ranks really read one clock, shifted by exactly `shift` on rank 1: recovered within the reported
+    # uncertainty, which the 16 collectives with alternating last arrivers keep well under 1 ms.
+    assert abs(g.offsets[(1, 1)] - shift) <= clock.uncertainty_ns < 1_000_000, g.clocks
     strag = g.stragglers()
     assert list(strag["rank"]) == [1, 0]
     # rank 0 waited ~200 ms in each of the 4 all_reduces. The machine's 2 cores are shared with other jobs, so
@@ -295,6 +320,57 @@ def test_straggler_and_clock_shift(tmp_path):
     slept = g.collectives.skew_ns[:4]  # the 4 all_reduces rank 1 slept before (in issue order)
     assert 180e6 < slept.median() < 300e6, list(slept)
     assert g.collectives.skew_ns[4:].max() < 150e6
+
+
+def _ddp_lm(rank, world_size, out_dir):
+    """A small transformer LM under DDP (one gradient bucket); one captured window after warm-up steps."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    lm = nn.Sequential(
+        nn.Embedding(100, 32),
+        nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, batch_first=True, dropout=0.0),
+        nn.Linear(32, 100),
+    )
+    model = DDP(lm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(rank))
+    with tl.capture():  # not armed yet: the first dispatch-mode use in a process is slow
+        lm(tokens)
+    tl.arm(out_dir / "run", every=2)
+    for step in range(4):
+        if step == 2:
+            dist.barrier()  # start the captured step together
+        with tl.capture(step=step) if step == 2 else contextlib.nullcontext():
+            logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, 100), tokens[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    tl.disarm()
+    return {}
+
+
+def test_same_host_ddp_clocks_are_exact(tmp_path):
+    run_ranks(_ddp_lm, world_size=2, tmp_path=tmp_path, timeout=120)
+    g = tl.merge_ranks(tmp_path / "run")
+    assert g.findings == [] and g.steps == [2]
+    assert g.clocks[["offset_ns", "uncertainty_ns", "method"]].values.tolist() == [[0, 0, "same-host"]] * 2
+    # One clock: each wait is exactly the raw difference of issue times, and blames the rank that issued last.
+    for j, t in zip(g.joined, g.timings):
+        issue = {r: e.issue_ns for r, e in j.entries.items()}
+        last = max(issue, key=lambda r: (issue[r], -r))
+        assert t["waits"] == {r: issue[last] - i for r, i in issue.items()} and t["uncertain"] == {}
+    ddp = [j for j in g.joined if j.func == "all_reduce"]
+    assert len(ddp) == 1  # one gradient bucket
+    # The blame is the raw skew, in size and direction (on this shared 2-core machine the ranks' backward
+    # passes really do differ by a few ms now and then, so no bound on it is asserted).
+    issue = {r: e.issue_ns for r, e in ddp[0].entries.items()}
+    late, early = sorted(issue, key=lambda r: (issue[r], -r), reverse=True)
+    strag = g.stragglers().set_index("rank")
+    assert strag.loc[late, "caused_wait_ns"] == issue[late] - issue[early] == strag.loc[early, "wait_ns"]
+    assert strag.loc[early, "caused_wait_ns"] == 0 and strag.uncertain_wait_ns.sum() == 0
 
 
 @pytest.mark.needs("dot", optional=True)

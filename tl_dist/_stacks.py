@@ -113,9 +113,10 @@ def frame_stack(frame: FrameType | None) -> dict[str, Any]:
     return _describe(entries[::-1])
 
 
-def traceback_stack(tb: TracebackType | None) -> dict[str, Any]:
+def traceback_stack(tb: TracebackType | None, *, until: CodeType | None = None) -> dict[str, Any]:
     """Like :func:`frame_stack`, for where an exception was raised: the frames outside the traceback's first
-    one (its callers, still running), then the traceback's entries down to the raise."""
+    one (its callers, still running), then the traceback's entries down to the raise -- or down to the frame
+    before the first one running ``until`` (a signal handler: where the thread was when the signal came)."""
     if tb is None:
         return {"stack": [], "stack_at": ""}
     outer = []
@@ -124,7 +125,7 @@ def traceback_stack(tb: TracebackType | None) -> dict[str, Any]:
         outer.append((frame.f_code, frame.f_lasti, frame.f_lineno or 0))
         frame = frame.f_back
     entries = outer[::-1]
-    while tb is not None:
+    while tb is not None and tb.tb_frame.f_code is not until:
         entries.append((tb.tb_frame.f_code, tb.tb_lasti, tb.tb_lineno or 0))
         tb = tb.tb_next
     return _describe(entries)

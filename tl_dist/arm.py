@@ -121,7 +121,10 @@ class Window:
         meta = self.metadata(complete=complete, reason=reason)
         if exc is not None:
             meta["error"] = f"{type(exc).__name__}: {exc}"
-            meta.update(traceback_stack(exc.__traceback__))
+            meta.update(traceback_stack(exc.__traceback__, until=_on_signal.__code__))
+            signum = _raised_in_signal_handler(exc)
+            if signum is not None:  # the user's handler, chained after ours, raised: the signal ended it
+                meta["end_reason"] = signal.Signals(signum).name
         trace = capture.trace
         trace.metadata.update(meta)
         try:
@@ -321,6 +324,16 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
         return None
     finally:
         _writing.release()
+
+
+def _raised_in_signal_handler(exc: BaseException) -> int | None:
+    """The signal whose handler chain (ours, then the one we chained to) raised ``exc``, if it did."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _on_signal.__code__:
+            return tb.tb_frame.f_locals.get("signum")
+        tb = tb.tb_next
+    return None
 
 
 def _on_signal(signum: int, frame: Any) -> None:
