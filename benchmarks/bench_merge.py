@@ -1,137 +1,199 @@
-"""Merge benchmark on synthetic shards written with the store's writer (no model runs).
+"""Merge benchmark on synthetic shards written with the store's real writer (no model runs).
 
-Each rank has OPS ops of which COLLS are all_reduces over all ranks (matched, with small per-rank clock offsets
-and arrival jitter). Reports:
+Each rank has OPS ops of which COLLS are all_reduces over all ranks (matched). Ranks sit 8 to a host (host name
+and boot id recorded as ``tl.arm`` records them); each host's clock has its own offset, and arrivals are
+jittered so that every rank is now and then the last to arrive. Every merge runs in a fresh process, so its peak
+resident memory (``ru_maxrss``, the whole process: Python, torch, the merge) is its own. Reports, per case: merge
+time, microseconds per op, peak RSS, findings (0 expected) and the clock estimate against the true offsets
+(worst error, worst reported uncertainty; the error must not exceed the uncertainty).
 
-- merge time for 8, 16, 32 and 64 ranks, and time per op (flat per-op time = linear in total ops);
-- peak Python memory of the merge for shards without and with saved tensors (lazy reading: no growth).
+Goals (issue 12): 1,024 ranks x 5,000 ops x 500 collectives, one step, in <= 30 s and <= 4 GB peak RSS;
+64 ranks x 20 steps linear in total ops (same us/op as 64 ranks x 1 step).
 
-Goal (issue 5): 64 ranks x 5,000 ops with 500 collectives merge in <= 5 s.
-
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_merge.py [--rounds 3]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_merge.py [--ranks 64 256 1024] [--steps20 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import torch
 
-import tl_dist as tl
 from tl_dist.schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS
 from tl_dist.store import write_shard
 from tl_dist.trace import Trace
 
 OPS, COLLS = 5_000, 500
+RANKS_PER_HOST = 8
 _DEFAULTS = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
 
 
-def synthetic_trace(rank: int, world: int, *, saved_mb: float = 0.0) -> Trace:
-    """OPS ops; every (OPS // COLLS)-th is an all_reduce of the world group."""
-    every = OPS // COLLS
-    offset = rank * 1_000_003  # per-rank clock offset, ns
+def host_shift(host: int) -> int:
+    """True clock offset of a host against host 0, ns (up to ~+-50 ms)."""
+    return 0 if host == 0 else ((host * 7_919_993) % 100_000_000) - 50_000_000
+
+
+class Template:
+    """The columns every rank shares (funcs, labels, modules...); per-rank times are filled in per shard."""
+
+    def __init__(self) -> None:
+        every = OPS // COLLS
+        self.funcs = [
+            "all_reduce" if i % every == every - 1 else ("mm" if i % 3 else "relu") for i in range(OPS)
+        ]
+        counts: dict[str, int] = {}
+        self.labels = []
+        for f in self.funcs:
+            counts[f] = counts.get(f, 0) + 1
+            self.labels.append(f"{f}_{counts[f]}")
+        self.kinds = ["collective" if f == "all_reduce" else "compute" for f in self.funcs]
+        self.atens = [f"aten.{f}.default" for f in self.funcs]
+        self.modules = [f"layers.{(i // 50) % 20}" for i in range(OPS)]
+        self.sources = [f"model.py:{10 + i % every}" for i in range(OPS)]
+        self.parents = [(i - 1,) if i else () for i in range(OPS)]
+        self.coll_ops = [i for i in range(OPS) if self.funcs[i] == "all_reduce"]
+
+
+def arrival_jitter(world: int) -> np.ndarray:
+    """(world, COLLS) arrival jitter, ns: up to 50 us, a different rank last at each collective."""
+    r = np.arange(world, dtype=np.int64)[:, None]
+    k = np.arange(COLLS, dtype=np.int64)[None, :]
+    return (r * 7_919 + k * 104_729 + (r * k) % 977 * 31) % 50_000
+
+
+def synthetic_trace(tpl: Template, rank: int, world: int, step: int, jitter: np.ndarray) -> Trace:
+    """One rank's window: ops 10 us apart; all_reduce k issued with a per-(rank, k) jitter of up to 50 us and
+    completed 5 us after the last rank issued it, observed at once; times on the rank's host clock."""
+    shift = host_shift(rank // RANKS_PER_HOST)
+    t0 = 10**18 + step * 10**11
     cols = {f.name: [_DEFAULTS[f.kind]] * OPS for f in OP_FIELDS}
-    cols["index"] = list(range(OPS))
-    funcs = ["all_reduce" if i % every == every - 1 else ("mm" if i % 3 else "relu") for i in range(OPS)]
-    counts: dict[str, int] = {}
-    labels = []
-    for f in funcs:
-        counts[f] = counts.get(f, 0) + 1
-        labels.append(f"{f}_{counts[f]}")
-    cols.update(label=labels, func=funcs, module_call=[-1] * OPS, phase=["forward"] * OPS)
-    cols["kind"] = ["collective" if f == "all_reduce" else "compute" for f in funcs]
-    cols["aten"] = [f"aten.{f}.default" for f in funcs]
-    cols["module"] = [f"layers.{(i // 50) % 20}" for i in range(OPS)]
-    cols["source"] = [f"model.py:{10 + i % every}" for i in range(OPS)]
-    cols["start_ns"] = [10**18 + i * 10_000 + offset for i in range(OPS)]
-    cols["duration_ns"] = [8_000] * OPS
-    cols["parents"] = [(i - 1,) if i else () for i in range(OPS)]
+    cols.update(index=list(range(OPS)), label=tpl.labels, func=tpl.funcs, kind=tpl.kinds, aten=tpl.atens)
+    cols.update(module=tpl.modules, source=tpl.sources, parents=tpl.parents, module_call=[-1] * OPS)
+    cols.update(phase=["forward"] * OPS, dtype=["float32"] * OPS, duration_ns=[8_000] * OPS)
     cols["out_shapes"] = [(torch.Size([64, 64]),)] * OPS
-    cols["dtype"] = ["float32"] * OPS
-    ct = {f.name: [] for f in COLLECTIVE_FIELDS}
-    group = tuple(range(world))
-    for seq, op in enumerate(i for i in range(OPS) if funcs[i] == "all_reduce"):
-        jitter = (rank * 7919 + seq * 104729) % 50_000  # arrival skew up to 50 us
-        issue = cols["start_ns"][op] + jitter
-        complete = 10**18 + op * 10_000 + 60_000 + offset  # same true instant on every rank
-        row = {f.name: _DEFAULTS[f.kind] for f in COLLECTIVE_FIELDS}
-        row.update(op=op, func="all_reduce", group_ranks=group, group_name="0", group_desc="default_pg")
-        row.update(seq=seq + 1, reduce_op="sum", root=-1, peer=-1, in_numel=4096, out_numel=4096)
-        row.update(dtype="float32", bytes=16384, issue_ns=issue, complete_ns=complete, state="completed")
-        row.update(bucket=-1)
-        for k in ct:
-            ct[k].append(row[k])
+    cols["start_ns"] = (t0 + shift + np.arange(OPS, dtype=np.int64) * 10_000).tolist()
+    ops = np.asarray(tpl.coll_ops, dtype=np.int64)
+    issue = t0 + ops * 10_000 + jitter[rank]
+    complete = t0 + ops * 10_000 + jitter.max(axis=0) + 5_000
+    n = COLLS
+    ct = {f.name: [_DEFAULTS[f.kind]] * n for f in COLLECTIVE_FIELDS}
+    ct.update(op=tpl.coll_ops, func=["all_reduce"] * n, group_ranks=[tuple(range(world))] * n)
+    ct.update(group_name=["0"] * n, group_desc=["default_pg"] * n, seq=list(range(1, n + 1)))
+    ct.update(reduce_op=["sum"] * n, root=[-1] * n, peer=[-1] * n, in_numel=[4096] * n, out_numel=[4096] * n)
+    ct.update(dtype=["float32"] * n, bytes=[16384] * n, state=["completed"] * n, bucket=[-1] * n)
+    ct.update(
+        issue_ns=(issue + shift).tolist(), complete_ns=(complete + shift).tolist(), backend=["gloo"] * n
+    )
     mods = {f.name: [] for f in MODULE_CALL_FIELDS}
-    saved = {}
-    if saved_mb:
-        n = max(1, int(saved_mb * 2**20 / (64 * 64 * 4)))
-        saved = {i: [torch.randn(64, 64)] for i in range(n)}
-    meta = {"rank": rank, "world_size": world, "step": 1}
-    return Trace(cols, mods, collective_table=ct, saved=saved, metadata=meta)
+    host = rank // RANKS_PER_HOST
+    meta = {
+        "rank": rank,
+        "world_size": world,
+        "step": step,
+        "host": f"node{host:04d}",
+        "boot_id": f"boot-{host}",
+    }
+    return Trace(cols, mods, collective_table=ct, metadata=meta)
 
 
-def write_run(root: Path, world: int, *, saved_mb: float = 0.0) -> Path:
+def write_run(root: Path, world: int, steps: int) -> Path:
+    tpl = Template()
+    jitter = arrival_jitter(world)
     for r in range(world):
         folder = root / f"rank{r:05d}"
         folder.mkdir(parents=True, exist_ok=True)
-        write_shard(synthetic_trace(r, world, saved_mb=saved_mb), folder / "step00000001.h5")
+        for s in range(steps):
+            write_shard(synthetic_trace(tpl, r, world, s, jitter), folder / f"step{s:08d}.h5")
     return root
+
+
+_CHILD = """
+import json, resource, sys, time
+import tl_dist as tl
+from bench_merge import host_shift, RANKS_PER_HOST
+t = time.perf_counter()
+g = tl.merge_ranks(sys.argv[1])
+elapsed = time.perf_counter() - t
+clocks = g.clocks
+est = clocks[clocks.method == "estimated"]
+errors = [abs(int(r.offset_ns) - host_shift(int(r.rank) // RANKS_PER_HOST)) for r in est.itertuples()]
+print(json.dumps({
+    "seconds": elapsed,
+    "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "findings": len(g.findings),
+    "ops": int(g.time_breakdown().ops.sum()),
+    "max_error_ns": max(errors, default=0),
+    "max_uncertainty_ns": int(est.uncertainty_ns.max()) if len(est) else 0,
+    "within": all(e <= int(u) for e, u in zip(errors, est.uncertainty_ns)),
+    "same_host": int((clocks.method == "same-host").sum()),
+}))
+"""
+
+
+def merge_in_child(run: Path) -> dict:
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(run)],
+        capture_output=True,
+        text=True,
+        cwd=here,
+        env={"OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(here), "PATH": "/usr/bin:/bin"},
+    )
+    if proc.returncode:
+        raise RuntimeError(f"merge of {run} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024], help="one-step cases")
+    parser.add_argument("--steps20", type=int, nargs="*", default=[64], help="ranks of the 20-step cases")
+    parser.add_argument("--rounds", type=int, default=1, help="merges per case (median reported)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tl_bench_merge_"))
-    t = time.perf_counter()
-    runs = {w: write_run(tmp / f"w{w}", w) for w in args.ranks}
+    print(f"{OPS} ops and {COLLS} all_reduces per rank and step, {RANKS_PER_HOST} ranks per host")
     print(
-        f"wrote synthetic shards for {args.ranks} ranks in {time.perf_counter() - t:.1f} s ({OPS} ops, {COLLS} colls per rank)"
+        f"{'ranks':>6} {'steps':>5} {'write s':>8} {'merge s':>8} {'us/op':>6} {'peak RSS':>9} {'findings':>8} "
+        f"{'clock err / unc (us)':>21}"
     )
-    tl.merge_ranks(runs[args.ranks[0]])  # warm-up: imports, first h5py use
-    print(f"{'ranks':>6} {'median s':>9} {'min s':>7} {'us/op':>7}  findings  offset[1] (ns)")
-    results = {}
-    for w in args.ranks:
-        times = []
-        for _ in range(args.rounds):
+    cases = [(w, 1) for w in args.ranks] + [(w, 20) for w in args.steps20]
+    per_op = {}
+    try:
+        for world, steps in cases:
+            run = tmp / f"w{world}s{steps}"
             t = time.perf_counter()
-            g = tl.merge_ranks(runs[w])
-            times.append(time.perf_counter() - t)
-        med = statistics.median(times)
-        results[w] = med
-        print(
-            f"{w:>6} {med:>9.2f} {min(times):>7.2f} {med / (w * OPS) * 1e6:>7.2f}  {len(g.findings):>8}  {g.offsets[1]}"
-        )
-    ws = sorted(results)
-    print(
-        f"per-op time ratio {ws[-1]} vs {ws[0]} ranks: {results[ws[-1]] / ws[-1] / (results[ws[0]] / ws[0]):.2f} (1.0 = linear)"
-    )
-    if 64 in results:
-        print(f"64 ranks: {results[64]:.2f} s (goal <= 5 s): {'OK' if results[64] <= 5 else 'MISSED'}")
-
-    # Lazy tensors: peak Python memory of a merge must not grow with what the shards saved.
-    w = 8
-    heavy = write_run(tmp / "heavy", w, saved_mb=16.0)
-    peaks = {}
-    for name, root in (
-        ("no saved tensors", runs.get(w) or write_run(tmp / "light", w)),
-        ("16 MB saved/rank", heavy),
-    ):
-        tracemalloc.start()
-        tl.merge_ranks(root)
-        peaks[name] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    light, big = peaks.values()
-    print(
-        f"peak merge memory, {w} ranks: {light / 2**20:.1f} MiB without / {big / 2**20:.1f} MiB with 16 MB saved "
-        f"per rank (ratio {big / light:.2f}; 1.0 = lazy)"
-    )
+            write_run(run, world, steps)
+            written = time.perf_counter() - t
+            results = [merge_in_child(run) for _ in range(args.rounds)]
+            res = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
+            us = res["seconds"] / res["ops"] * 1e6
+            per_op[(world, steps)] = us
+            clock = f"{res['max_error_ns'] / 1e3:.1f} / {res['max_uncertainty_ns'] / 1e3:.1f}" + (
+                "" if res["within"] else " ERROR > UNC"
+            )
+            print(
+                f"{world:>6} {steps:>5} {written:>8.1f} {res['seconds']:>8.2f} {us:>6.2f} "
+                f"{res['peak_rss'] / 2**30:>7.2f}GB {res['findings']:>8} {clock:>21}"
+            )
+            shutil.rmtree(run)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if (1024, 1) in per_op:
+        print("goal 1,024 ranks x 1 step: <= 30 s and <= 4 GB peak RSS (see the row above)")
+    for world in args.steps20:
+        if (world, 1) in per_op and (world, 20) in per_op:
+            ratio = per_op[(world, 20)] / per_op[(world, 1)]
+            print(
+                f"{world} ranks: us/op with 20 steps / with 1 step = {ratio:.2f} (1.0 = linear in total ops)"
+            )
 
 
 if __name__ == "__main__":

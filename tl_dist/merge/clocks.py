@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .match import P2P_FUNCS, Joined
+from .members import Members
 
 ALL_MEMBERS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
 FROM_ROOT = frozenset({"broadcast", "scatter"})
@@ -64,61 +65,72 @@ class ClockSolution:
     violation_ns: int = 0
     _clock: dict[int, int] = field(default_factory=dict)  # rank -> clock index
 
-    def pair(self, r: int, s: int) -> int | None:
-        """How far aligned times of ranks r and s may be off against each other (ns); None: not comparable."""
-        if self._clock.get(r) == self._clock.get(s):
-            return 0
-        ur, us = self.uncertainty.get(r), self.uncertainty.get(s)
-        if ur is None or us is None or self.reference.get(r) != self.reference.get(s):
-            return None
-        return ur + us
+    def rank_arrays(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per rank (index) < ``size``: clock index, offset, uncertainty (-1: not estimated) and reference rank.
+
+        Aligned times of ranks r and s may be off against each other by 0 when they share a clock, else by
+        uncertainty[r] + uncertainty[s] when both are estimated against the same reference; otherwise they are
+        not comparable.
+        """
+        clock = np.full(size, -1, dtype=np.int64)
+        offset = np.zeros(size, dtype=np.int64)
+        unc = np.full(size, -1, dtype=np.int64)
+        ref = np.full(size, -1, dtype=np.int64)
+        for r, c in self._clock.items():
+            if r < size:
+                clock[r], offset[r], ref[r] = c, self.offsets[r], self.reference[r]
+                u = self.uncertainty[r]
+                unc[r] = -1 if u is None else u
+        return clock, offset, unc, ref
 
 
-def dependencies(j: Joined) -> tuple[list[int], list[int]] | None:
-    """(sources, sinks) of a matched collective: sinks cannot complete before sources issued; None if unusable."""
+def dependency(j: Joined) -> tuple[str, int, int] | None:
+    """How a matched collective's members depend on each other: ("all", -1, -1) (every member on every member),
+    ("from", root, -1) (the others on the root), ("to", root, -1) (the root on everyone) or ("p2p", sender,
+    receiver); None when it bounds nothing."""
     if j.verdict != "matched" or len(j.entries) < 2:
         return None
     if j.p2p:
         senders = [r for r, e in j.entries.items() if P2P_FUNCS.get(e.func) == "send"]
         receivers = [r for r, e in j.entries.items() if P2P_FUNCS.get(e.func) == "recv"]
-        return (senders, receivers) if len(senders) == 1 and len(receivers) == 1 else None
+        return ("p2p", senders[0], receivers[0]) if len(senders) == 1 and len(receivers) == 1 else None
     func = j.func
-    members = list(j.entries)
     if func in ALL_MEMBERS:
-        return members, members
+        return "all", -1, -1
     roots = {e.root for e in j.entries.values()}
     root = roots.pop() if len(roots) == 1 else -1
     if root not in j.entries:
         return None
-    others = [r for r in members if r != root]
     if func in FROM_ROOT:
-        return [root], others
+        return "from", root, -1
     if func in TO_ROOT:
-        return members, [root]
+        return "to", root, -1
     return None
 
 
-def estimate_clocks(joined: list[Joined], clock_of: dict[int, tuple]) -> ClockSolution:
-    """Offsets of one step's ranks (``clock_of``: rank -> :func:`clock_key`) from its joined collectives.
+def estimate_clocks(
+    joined: list[Joined], clock_of: dict[int, tuple], members: Members | None = None
+) -> ClockSolution:
+    """Offsets of one step's ranks (``clock_of``: rank -> :func:`clock_key`) from its joined collectives
+    (``members``: the same as :class:`~.members.Members`, when already built).
 
     Example:
-        >>> sol = estimate_clocks(joined, {0: ("rank", 0), 1: ("rank", 1)})
+        >>> sol = estimate_clocks(g.joined_step(0), {0: ("rank", 0), 1: ("rank", 1)})
         >>> sol.offsets[1], sol.uncertainty[1], sol.method[1]
-        (3000004500, 30500, 'estimated')
     """
     ranks = sorted(clock_of)
-    keys = sorted({clock_of[r] for r in ranks}, key=lambda k: min(r for r in ranks if clock_of[r] == k))
-    index = {k: i for i, k in enumerate(keys)}
+    index: dict[tuple, int] = {}
+    for r in ranks:  # clocks numbered by their lowest rank
+        index.setdefault(clock_of[r], len(index))
     clock = {r: index[clock_of[r]] for r in ranks}
-    n_clocks = len(keys)
-    edges = _edges(joined, clock)
+    n_clocks = len(index)
+    clock_of_rank = np.full(max(ranks, default=-1) + 1, -1, dtype=np.int64)
+    clock_of_rank[ranks] = [clock[r] for r in ranks]
+    m = members if members is not None else Members.of(joined)
+    edges = _edges(joined, m, clock_of_rank, n_clocks)
     sol = ClockSolution(_clock=clock)
-    used = {r: 0 for r in ranks}
-    for j, clocks in edges.evidence:
-        for r in j.entries:
-            if r in used and len(clocks) > 1:
-                used[r] += 1
-    sol.collectives = used
+    taking_part = np.bincount(m.rank[edges.evidence[m.coll]], minlength=len(clock_of_rank))
+    sol.collectives = {r: int(taking_part[r]) for r in ranks}
     # Components of clocks linked by evidence; each is measured against the clock of its lowest rank.
     parent = list(range(n_clocks))
 
@@ -128,17 +140,16 @@ def estimate_clocks(joined: list[Joined], clock_of: dict[int, tuple]) -> ClockSo
             a = parent[a]
         return a
 
-    for _, clocks in edges.evidence:
-        first = find(clocks[0])
-        for c in clocks[1:]:
-            other = find(c)
-            if other != first:
-                parent[max(first, other)] = min(first, other)
-                first = min(first, other)
+    for a, b in edges.links:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
     roots = sorted({find(c) for c in range(n_clocks)})  # clock i's lowest rank is lower than clock i+1's
     upper, lower_neg, violation = _solve(edges, n_clocks, roots)
     sol.violation_ns = violation
-    lowest = {k: min(r for r in ranks if clock[r] == k) for k in range(n_clocks)}
+    lowest = {}
+    for r in ranks:
+        lowest.setdefault(clock[r], r)
     for r in ranks:
         c = clock[r]
         root = find(c)
@@ -169,60 +180,73 @@ class _Edges:
     out_clock: np.ndarray
     out_w: np.ndarray
     n_colls: int
-    evidence: list[tuple[Joined, list[int]]]
+    evidence: np.ndarray  # per joined collective: used as evidence
+    links: list[tuple[int, int]]  # clock pairs that share evidence
 
 
-def _edges(joined: list[Joined], clock: dict[int, int]) -> _Edges:
-    in_clock, in_coll, in_w, out_coll, out_clock, out_w = [], [], [], [], [], []
-    evidence = []
-    for j in joined:
-        deps = dependencies(j)
-        if deps is None:
-            continue
-        sources, sinks = deps
-        latest: dict[int, int] = {}  # per clock, the latest issue among its sources: the binding one
-        for s in sources:
-            e = j.entries[s]
-            c = clock.get(s)
-            if c is not None and e.issue_ns >= 0 and e.issue_ns > latest.get(c, -1):
-                latest[c] = e.issue_ns
-        earliest: dict[int, int] = {}  # per clock, the earliest observed completion among its sinks
-        for r in sinks:
-            e = j.entries[r]
-            c = clock.get(r)
-            if c is not None and e.state == "completed" and e.complete_ns >= 0:
-                if c not in earliest or e.complete_ns < earliest[c]:
-                    earliest[c] = e.complete_ns
-        clocks = sorted(set(latest) | set(earliest))
-        if len(clocks) < 2 or not latest or not earliest:
-            continue
-        k = len(evidence)
-        evidence.append((j, clocks))
-        for c, t in latest.items():
-            in_clock.append(c)
-            in_coll.append(k)
-            in_w.append(-t)
-        for c, t in earliest.items():
-            out_coll.append(k)
-            out_clock.append(c)
-            out_w.append(t)
-    arr = np.asarray
-    in_w_a, out_w_a = arr(in_w, dtype=np.int64), arr(out_w, dtype=np.int64)
-    if len(in_w_a) and len(out_w_a):
-        # Path weights are complete - issue: a common base keeps the numbers far from int64's limits.
-        base = -int(in_w_a.max())
-        in_w_a = in_w_a + base
-        out_w_a = out_w_a - base
-    return _Edges(
-        arr(in_clock, dtype=np.int64),
-        arr(in_coll, dtype=np.int64),
-        in_w_a,
-        arr(out_coll, dtype=np.int64),
-        arr(out_clock, dtype=np.int64),
-        out_w_a,
-        len(evidence),
-        evidence,
+_KINDS = {"all": 0, "from": 1, "to": 2, "p2p": 3}
+
+
+def _edges(joined: list[Joined], m: Members, clock_of_rank: np.ndarray, n_clocks: int) -> _Edges:
+    n = len(joined)
+    kind = np.full(n, -1, dtype=np.int64)
+    a = np.full(n, -1, dtype=np.int64)
+    b = np.full(n, -1, dtype=np.int64)
+    for k, j in enumerate(joined):
+        dep = dependency(j)
+        if dep is not None:
+            kind[k], a[k], b[k] = _KINDS[dep[0]], dep[1], dep[2]
+    mk, ma, mb = kind[m.coll], a[m.coll], b[m.coll]
+    is_a = m.rank == ma
+    source = (mk == 0) | (mk == 2) | ((mk == 1) & is_a) | ((mk == 3) & is_a)
+    sink = (mk == 0) | ((mk == 1) & ~is_a) | ((mk == 2) & is_a) | ((mk == 3) & (m.rank == mb))
+    source &= (mk >= 0) & (m.issue >= 0)
+    sink &= (mk >= 0) & m.completed
+    clk = clock_of_rank[m.rank]
+    # Per (collective, clock): the latest issue among its sources binds, and the earliest completion among its
+    # sinks.
+    src_key, latest = _reduce(m.coll[source] * n_clocks + clk[source], m.issue[source], np.maximum)
+    snk_key, earliest = _reduce(m.coll[sink] * n_clocks + clk[sink], m.complete[sink], np.minimum)
+    pairs = np.union1d(src_key, snk_key)
+    clocks_in = np.bincount(pairs // n_clocks, minlength=n)
+    evidence = (
+        (clocks_in >= 2)
+        & (np.bincount(src_key // n_clocks, minlength=n) > 0)
+        & (np.bincount(snk_key // n_clocks, minlength=n) > 0)
     )
+    renumber = np.cumsum(evidence) - 1
+    keep_src = evidence[src_key // n_clocks]
+    keep_snk = evidence[snk_key // n_clocks]
+    in_w, out_w = -latest[keep_src], earliest[keep_snk]
+    if len(in_w) and len(out_w):
+        # Path weights are complete - issue: a common base keeps the numbers far from int64's limits.
+        base = -int(in_w.max())
+        in_w, out_w = in_w + base, out_w - base
+    used = pairs[evidence[pairs // n_clocks]]
+    first_clock = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(first_clock, used // n_clocks, -(used % n_clocks) - 1)  # the lowest clock, negated
+    links = set(zip((-first_clock[used // n_clocks] - 1).tolist(), (used % n_clocks).tolist()))
+    return _Edges(
+        src_key[keep_src] % n_clocks,
+        renumber[src_key[keep_src] // n_clocks],
+        in_w,
+        renumber[snk_key[keep_snk] // n_clocks],
+        snk_key[keep_snk] % n_clocks,
+        out_w,
+        int(evidence.sum()),
+        evidence,
+        sorted(links),
+    )
+
+
+def _reduce(keys: np.ndarray, values: np.ndarray, ufunc: np.ufunc) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct ``keys`` and ``ufunc`` (np.maximum / np.minimum) of their ``values``."""
+    if not len(keys):
+        return keys, values
+    order = np.argsort(keys, kind="stable")
+    k, v = keys[order], values[order]
+    first = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1])))
+    return k[first], ufunc.reduceat(v, first)
 
 
 def _relax(

@@ -23,7 +23,7 @@ from .clocks import ClockSolution
 from .match import Finding, Joined
 from .sources import Interner, RankData, ShardSource, check_subset, find_shards
 from .steps import analyse_step, join_step
-from .timing import collective_timing
+from .timing import step_timing
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -160,8 +160,14 @@ class MergedTrace:
 
     @property
     def timings(self) -> list[dict[str, Any]]:
-        """Aligned timing of each joined collective (same order as ``joined``): see ``timing.collective_timing``."""
-        return [collective_timing(j, self.clock_solutions[j.step]) for j in self.joined]
+        """Aligned timing of each joined collective (same order as ``joined``), as dicts: start_ns, skew_ns,
+        duration_ns, last_rank, uncertainty_ns, waits and uncertain (per rank); see ``timing.StepTiming``."""
+        out = []
+        for step in self.steps:
+            joined = [j for j in self.joined if j.step == step]
+            timing = step_timing(joined, self.clock_solutions[step])
+            out.extend(timing.collective(k) for k in range(len(joined)))
+        return out
 
     # -- time ----------------------------------------------------------------------------------------------
     @property

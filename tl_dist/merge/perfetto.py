@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .timing import collective_timing
+from .timing import step_timing
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -72,16 +72,18 @@ def _flows(
     """One flow per joined collective of ``step``: ``s`` on the first member to arrive, ``t``/``f`` on the others,
     each inside that member's slice of the collective so the UI binds it."""
     clocks = g.clock_solutions[step]
-    for j in g.joined_step(step):
+    joined = g.joined_step(step)
+    timing = step_timing(joined, clocks)
+    offset = clocks.offsets
+    for k, j in enumerate(joined):
         if len(j.entries) < 2:
             continue
-        t = collective_timing(j, clocks)
-        offset = clocks.offsets
         members = sorted(j.entries.items(), key=lambda kv: (kv[1].issue_ns - offset.get(kv[0], 0), kv[0]))
         flow_id = next(ids)
-        for k, (rank, e) in enumerate(members):
+        skew_us = int(timing.skew[k]) / 1e3
+        for n, (rank, e) in enumerate(members):
             ts, tid = anchors.get(rank, {}).get(e.op, ((e.issue_ns - offset.get(rank, 0) - base) / 1e3, 4))
-            ph = "s" if k == 0 else ("f" if k == len(members) - 1 else "t")
+            ph = "s" if n == 0 else ("f" if n == len(members) - 1 else "t")
             ev = {
                 "ph": ph,
                 "id": flow_id,
@@ -90,7 +92,7 @@ def _flows(
                 "pid": rank,
                 "tid": tid,
                 "ts": ts + 0.0005,
-                "args": {"verdict": j.verdict, "skew_us": t["skew_ns"] / 1e3},
+                "args": {"verdict": j.verdict, "skew_us": skew_us},
             }
             if ph == "f":
                 ev["bp"] = "e"

@@ -161,7 +161,13 @@ class RankData:
 _OP_FIELDS = tuple(
     f for f in OP_FIELDS if f.name in ("kind", "start_ns", "duration_ns", "label", "module", "source")
 )
-_COLL_FIELDS = tuple(f for f in COLLECTIVE_FIELDS if f.kind != "ints")
+_COLL_FIELDS = tuple(  # what an Entry holds
+    f
+    for f in COLLECTIVE_FIELDS
+    if f.name
+    in ("op", "func", "group_name", "seq", "root", "peer", "in_numel", "out_numel", "dtype", "bytes")
+    or f.name in ("is_async", "issue_ns", "complete_ns", "state")
+)
 _GROUP_FIELD = next(f for f in COLLECTIVE_FIELDS if f.name == "group_ranks")
 _STR_COLL = tuple(f.name for f in _COLL_FIELDS if f.kind == "str")
 
@@ -258,7 +264,7 @@ class ShardSource:
         from ..store.hdf5 import open_shard
 
         ref = self.refs[key]
-        with open_shard(ref.path) as (root, metadata, failed_op, strings):
+        with open_shard(ref.path, raw_strings=True) as (root, metadata, failed_op, strings):
             for field, named in (("rank", ref.rank), ("step", ref.step)):
                 value = metadata.get(field)
                 if value is not None and int(value) != named:

@@ -11,8 +11,9 @@ from typing import Any
 
 from .clocks import ClockSolution, clock_key, estimate_clocks
 from .match import Finding, Joined, ending, match_step
+from .members import Members
 from .sources import RankData
-from .timing import breakdown_row, collective_timing, straggler_rows
+from .timing import StepTiming, breakdown_row, step_timing, straggler_rows
 
 # What an incomplete shard says about how its window ended, copied into findings' ``where``.
 ENDED_KEYS = ("end_reason", "error", "stack_at", "stack")
@@ -105,24 +106,25 @@ def analyse_step(
     errors: dict[tuple[int, int], str],
     world_size: int,
     written: dict[int, list[int]],
-) -> tuple[StepResult, list[Joined], list[dict[str, Any]]]:
-    """Everything the merge computes for one step; also returns its joined collectives and their timings."""
+) -> tuple[StepResult, list[Joined], StepTiming]:
+    """Everything the merge computes for one step; also returns its joined collectives and their timing."""
     from .views import collective_row
 
     joined, found = join_step(step, data, absent)
     findings = shard_findings(
         step, data, absent=absent, errors=errors, world_size=world_size, written=written
     )
-    clocks = estimate_clocks(joined, {r: clock_key(r, d.metadata) for r, d in data.items()})
-    timings = [collective_timing(j, clocks) for j in joined]
-    stragglers = straggler_rows(joined, timings)
+    members = Members.of(joined)
+    clocks = estimate_clocks(joined, {r: clock_key(r, d.metadata) for r, d in data.items()}, members)
+    timing = step_timing(joined, clocks, members)
+    stragglers = straggler_rows(step, joined, timing)
     waits = {row["rank"]: row["wait_ns"] for row in stragglers}
     result = StepResult(
         step,
         findings + found,
         clocks,
-        [collective_row(j, t) for j, t in zip(joined, timings)],
+        [collective_row(j, timing, k) for k, j in enumerate(joined)],
         stragglers,
         [breakdown_row(step, r, d.n_ops, d.local, waits.get(r, 0)) for r, d in sorted(data.items())],
     )
-    return result, joined, timings
+    return result, joined, timing

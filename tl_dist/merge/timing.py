@@ -5,125 +5,134 @@ All times here are on each rank's reference clock (its times minus its offset fr
 i.e. the time it spent blocked on others. The last member to arrive *caused* the others' waits: summed per step,
 that ranks the stragglers (HTA's straggler view).
 
-A wait no longer than the clock uncertainty between the two ranks (:meth:`.clocks.ClockSolution.pair`) could be
-an artefact of the offsets: it is reported apart (``uncertain_wait_ns``) and blames nobody. Ranks on one clock
-have no uncertainty between them.
+A wait no longer than the clock uncertainty between the two ranks (:meth:`.clocks.ClockSolution.rank_arrays`)
+could be an artefact of the offsets: it is reported apart (``uncertain``) and blames nobody. Ranks on one clock
+have no uncertainty between them. Computed for a whole step at once, on :class:`~.members.Members` arrays.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .clocks import ClockSolution
 from .match import Joined
+from .members import Members, grouped_union
+
+_MIN = np.iinfo(np.int64).min
 
 
-def collective_timing(j: Joined, clocks: ClockSolution) -> dict[str, Any]:
-    """Aligned timing of one joined collective.
+@dataclass
+class StepTiming:
+    """Per collective of a step: start_ns (first arrival), skew_ns (last - first), duration_ns (last completion
+    - first arrival; -1 when none completed), last_rank (the last to arrive; -1 unless its lead over some member
+    exceeds their clock uncertainty), uncertainty_ns (largest clock uncertainty between the last arriver and a
+    member; -1 when some member is not comparable). Per member row: wait (beyond the uncertainty, else 0) and
+    uncertain (a wait within the uncertainty, else 0)."""
 
-    Returns start_ns (first arrival), skew_ns (last arrival - first), duration_ns (last completion - first
-    arrival), last_rank (the last to arrive, -1 unless its lead over some member exceeds their clock
-    uncertainty), uncertainty_ns (largest clock uncertainty between the last arriver and another member; -1
-    when some member's clock is not comparable), waits (per member, its wait beyond the uncertainty, else 0)
-    and uncertain (per member, a wait within the uncertainty). Times are -1 when no member issued it.
-    """
-    offsets = clocks.offsets
-    arrivals = {r: e.issue_ns - offsets.get(r, 0) for r, e in j.entries.items()}
-    completes = [e.complete_ns - offsets.get(r, 0) for r, e in j.entries.items() if e.complete_ns >= 0]
-    if not arrivals:
+    start: np.ndarray
+    skew: np.ndarray
+    duration: np.ndarray
+    last_rank: np.ndarray
+    uncertainty: np.ndarray
+    wait: np.ndarray
+    uncertain: np.ndarray
+    members: Members
+
+    def collective(self, k: int) -> dict[str, Any]:
+        """Collective ``k`` as a dict: the fields above, with ``waits`` / ``uncertain`` keyed by rank."""
+        m = self.members
+        rows = slice(m.starts[k], m.starts[k + 1])
+        ranks = m.rank[rows].tolist()
         return {
-            "start_ns": -1,
-            "skew_ns": -1,
-            "duration_ns": -1,
-            "last_rank": -1,
-            "uncertainty_ns": -1,
-            "waits": {},
-            "uncertain": {},
+            "start_ns": int(self.start[k]),
+            "skew_ns": int(self.skew[k]),
+            "duration_ns": int(self.duration[k]),
+            "last_rank": int(self.last_rank[k]),
+            "uncertainty_ns": int(self.uncertainty[k]),
+            "waits": dict(zip(ranks, self.wait[rows].tolist())),
+            "uncertain": {r: w for r, w in zip(ranks, self.uncertain[rows].tolist()) if w > 0},
         }
-    first = min(arrivals.values())
-    last_rank = max(arrivals, key=lambda r: (arrivals[r], -r))
-    last = arrivals[last_rank]
-    waits: dict[int, int] = {}
-    uncertain: dict[int, int] = {}
-    worst = 0
-    for r, a in arrivals.items():
-        if r == last_rank:
-            waits[r] = 0
-            continue
-        u = clocks.pair(r, last_rank)
-        worst = -1 if u is None or worst < 0 else max(worst, u)
-        w = last - a
-        if u is not None and w > u:
-            waits[r] = w
-        else:
-            waits[r] = 0
-            if w > 0:
-                uncertain[r] = w
-    blamed = any(w > 0 for w in waits.values())
-    return {
-        "start_ns": first,
-        "skew_ns": last - first,
-        "duration_ns": (max(completes) - first) if completes else -1,
-        "last_rank": last_rank if blamed else -1,
-        "uncertainty_ns": worst,
-        "waits": waits,
-        "uncertain": uncertain,
-    }
 
 
-def union_ns(intervals: list[tuple[int, int]]) -> int:
-    """Total length of the union of [start, end) intervals: overlapping ones count once."""
-    if not intervals:
-        return 0
-    arr = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
-    return union_arrays(arr[:, 0], arr[:, 1])
+def step_timing(joined: list[Joined], clocks: ClockSolution, members: Members | None = None) -> StepTiming:
+    """Aligned timing of every joined collective of one step (see :class:`StepTiming`)."""
+    m = members if members is not None else Members.of(joined)
+    n = len(joined)
+    if not len(m.rank):
+        empty = np.full(n, -1, dtype=np.int64)
+        return StepTiming(empty, empty, empty, empty, empty, m.issue, m.issue, m)
+    clock, offset, unc, ref = clocks.rank_arrays(int(m.rank.max()) + 1)
+    heads = m.starts[:-1]
+    arrival = m.issue - offset[m.rank]
+    first = np.minimum.reduceat(arrival, heads)
+    last = np.maximum.reduceat(arrival, heads)
+    # The last to arrive: the lowest rank among those arriving last.
+    big = np.iinfo(np.int64).max
+    last_rank = np.minimum.reduceat(np.where(arrival == last[m.coll], m.rank, big), heads)
+    lr = last_rank[m.coll]
+    same = clock[m.rank] == clock[lr]
+    comparable = same | ((unc[m.rank] >= 0) & (unc[lr] >= 0) & (ref[m.rank] == ref[lr]))
+    u = np.where(same, 0, unc[m.rank] + unc[lr])
+    w = last[m.coll] - arrival
+    other = m.rank != lr
+    clear = other & comparable & (w > u)
+    wait = np.where(clear, w, 0)
+    uncertain = np.where(other & ~clear & (w > 0), w, 0)
+    blamed = np.maximum.reduceat(clear.astype(np.int64), heads) > 0
+    per_member = np.where(other, np.where(comparable, u, -1), 0)
+    uncertainty = np.where(
+        np.minimum.reduceat(per_member, heads) < 0, -1, np.maximum.reduceat(per_member, heads)
+    )
+    done = np.maximum.reduceat(np.where(m.complete >= 0, m.complete - offset[m.rank], _MIN), heads)
+    return StepTiming(
+        first,
+        last - first,
+        np.where(done == _MIN, -1, done - first),
+        np.where(blamed, last_rank, -1),
+        uncertainty,
+        wait,
+        uncertain,
+        m,
+    )
 
 
-def union_arrays(starts: np.ndarray, ends: np.ndarray) -> int:
-    """:func:`union_ns` of intervals given as two arrays."""
-    if not len(starts):
-        return 0
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    covered = np.maximum.accumulate(e)
-    # Sorted by start, what the earlier intervals cover beyond this one's start is [start, their max end].
-    before = np.concatenate(([np.iinfo(np.int64).min], covered[:-1]))
-    return int(np.maximum(0, e - np.maximum(s, before)).sum())
-
-
-def straggler_rows(joined: list[Joined], timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (step, rank): the time others waited for it (as last arriver), how often it was last, its own wait,
-    and its waits within the clock uncertainty. Waits are intervals [own arrival, last arrival]; overlapping ones
-    (async collectives such as DDP's buckets in flight together) count once per waiting rank."""
-    own: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    unsure: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    caused: dict[tuple[int, int], dict[int, list[tuple[int, int]]]] = {}
-    last_count: dict[tuple[int, int], int] = {}
-    for j, t in zip(joined, timings):
-        if j.p2p or len(j.entries) < 2 or j.verdict == "not_completed":
-            continue
-        last = t["last_rank"]
-        end = t["start_ns"] + t["skew_ns"]
-        for r, w in t["waits"].items():
-            own.setdefault((j.step, r), []).append((end - w, end))
-            if w > 0 and last >= 0:
-                caused.setdefault((j.step, last), {}).setdefault(r, []).append((end - w, end))
-        for r, w in t["uncertain"].items():
-            unsure.setdefault((j.step, r), []).append((end - w, end))
-        if last >= 0:
-            last_count[(j.step, last)] = last_count.get((j.step, last), 0) + 1
+def straggler_rows(step: int, joined: list[Joined], st: StepTiming) -> list[dict[str, Any]]:
+    """Per rank of one step: the time others waited for it (as last arriver), how often it was last, its own
+    wait, and its waits within the clock uncertainty. Waits are intervals [own arrival, last arrival];
+    overlapping ones (async collectives such as DDP's buckets in flight together) count once per waiting rank."""
+    m = st.members
+    eligible = np.array(
+        [not j.p2p and len(j.entries) >= 2 and j.verdict != "not_completed" for j in joined], dtype=bool
+    )
+    if not eligible.any():
+        return []
+    rows = eligible[m.coll]
+    rank, end = m.rank[rows], (st.start + st.skew)[m.coll][rows]
+    wait, unsure = st.wait[rows], st.uncertain[rows]
+    last = st.last_rank[m.coll][rows]
+    ranks, own = grouped_union(rank, end - wait, end)
+    width = int(m.rank.max()) + 1
+    blame = (wait > 0) & (last >= 0)
+    pairs, caused_pairs = grouped_union(last[blame] * width + rank[blame], (end - wait)[blame], end[blame])
+    caused = np.zeros(width, dtype=np.int64)
+    np.add.at(caused, pairs // width, caused_pairs)
+    u_ranks, u_total = grouped_union(rank[unsure > 0], (end - unsure)[unsure > 0], end[unsure > 0])
+    uncertain = dict(zip(u_ranks.tolist(), u_total.tolist()))
+    lasts = st.last_rank[eligible]
+    last_count = np.bincount(lasts[lasts >= 0], minlength=width)
     return [
         {
-            "step": s,
+            "step": step,
             "rank": r,
-            "caused_wait_ns": sum(union_ns(iv) for iv in caused.get((s, r), {}).values()),
-            "last_count": last_count.get((s, r), 0),
-            "wait_ns": union_ns(intervals),
-            "uncertain_wait_ns": union_ns(unsure.get((s, r), [])),
+            "caused_wait_ns": int(caused[r]),
+            "last_count": int(last_count[r]),
+            "wait_ns": w,
+            "uncertain_wait_ns": uncertain.get(r, 0),
         }
-        for (s, r), intervals in own.items()
+        for r, w in zip(ranks.tolist(), own.tolist())
     ]
 
 
@@ -156,7 +165,8 @@ def local_breakdown(
     s[p[ok]] = issue[keep][ok]
     e[p[ok]] = complete[keep][ok]
     window = int((starts + durations).max() - starts.min())
-    return compute, union_arrays(s, e), window
+    comm = int(grouped_union(np.zeros(len(s), dtype=np.int64), s, e)[1].sum())
+    return compute, comm, window
 
 
 def breakdown_row(

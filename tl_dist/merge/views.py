@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..schema import OP_FIELDS
 from .match import Joined
+from .timing import StepTiming
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -34,8 +35,8 @@ COLLECTIVE_COLUMNS = (
 )
 
 
-def collective_row(j: Joined, t: dict[str, Any]) -> tuple:
-    """One row of ``g.collectives`` (``COLLECTIVE_COLUMNS``) from a joined collective and its timing."""
+def collective_row(j: Joined, timing: StepTiming, k: int) -> tuple:
+    """One row of ``g.collectives`` (``COLLECTIVE_COLUMNS``): joined collective ``k`` of a step and its timing."""
     entries = list(j.entries.values())
     first = entries[0]
     return (
@@ -50,11 +51,11 @@ def collective_row(j: Joined, t: dict[str, Any]) -> tuple:
         j.absent,
         "/".join(sorted({e.dtype for e in entries})),
         max(e.nbytes for e in entries),
-        t["start_ns"],
-        t["skew_ns"],
-        t["duration_ns"],
-        t["last_rank"],
-        t["uncertainty_ns"],
+        int(timing.start[k]),
+        int(timing.skew[k]),
+        int(timing.duration[k]),
+        int(timing.last_rank[k]),
+        int(timing.uncertainty[k]),
         first.label,
         first.module,
         first.source,

@@ -324,7 +324,9 @@ def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, A
 
 
 @contextmanager
-def open_shard(path: Path) -> Iterator[tuple[h5py.File, dict[str, Any], Any, list[str] | None]]:
+def open_shard(
+    path: Path, *, raw_strings: bool = False
+) -> Iterator[tuple[h5py.File, dict[str, Any], Any, Any]]:
     """Open a shard for reading once its layout and version check out; yields ``(root, metadata, failed_op,
     strings)`` (``strings``: the shard-wide string table, None in a shard without strings). Any failure to
     decode inside the ``with`` block is a :class:`ShardFormatError` naming the file.
@@ -359,7 +361,10 @@ def open_shard(path: Path) -> Iterator[tuple[h5py.File, dict[str, Any], Any, lis
                 raise ShardFormatError(f"{path}: unknown schema/encoding version {version}")
             metadata = json.loads(root.attrs["metadata"])
             failed_op = json.loads(root.attrs["failed_op"])
-            strings = root["strings"].asstr()[()].tolist() if "strings" in root else None
+            strings = None
+            if "strings" in root:
+                # raw: the UTF-8 bytes, for readers that decode only the strings they use (the merge)
+                strings = root["strings"][()] if raw_strings else root["strings"].asstr()[()].tolist()
             if "stack" in root:
                 metadata["stack"] = root["stack"].asstr()[()].tolist()
             yield root, metadata, failed_op, strings
