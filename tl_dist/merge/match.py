@@ -335,13 +335,19 @@ def match_step(
     groups: dict[tuple[str, tuple[int, ...]], dict[int, list[Entry]]] = {}
     p2p: dict[tuple, dict[str, list[Entry]]] = {}
     for rank, lst in entries.items():
+        name = group = bucket = None
         for e in lst:
             kind = P2P_FUNCS.get(e.func)
             if kind is not None:
                 src, dst = (rank, e.peer) if kind == "send" else (e.peer, rank)
                 p2p.setdefault((e.group_name, e.group, src, dst), {"send": [], "recv": []})[kind].append(e)
-            else:
-                groups.setdefault((e.group_name, e.group), {}).setdefault(rank, []).append(e)
+                continue
+            # A rank's collectives mostly run in one group, whose name and member tuple are shared objects:
+            # compare by identity before building the key.
+            if e.group is not group or e.group_name is not name:
+                name, group = e.group_name, e.group
+                bucket = groups.setdefault((name, group), {}).setdefault(rank, [])
+            bucket.append(e)
 
     joined: list[Joined] = []
     findings: list[Finding] = []

@@ -4,6 +4,7 @@ timing analysis compute on, vectorised (a step of 1,024 ranks x 500 collectives 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from .match import Joined
 
 @dataclass
 class Members:
-    """Rows sorted by collective (its index in the step's ``joined``), then rank."""
+    """Rows grouped by collective (its index in the step's ``joined``), in each its entries' order."""
 
     coll: np.ndarray  # int64: index of the joined collective
     rank: np.ndarray  # int64
@@ -23,23 +24,23 @@ class Members:
 
     @classmethod
     def of(cls, joined: list[Joined]) -> Members:
-        coll, rank, issue, complete, completed = [], [], [], [], []
-        for k, j in enumerate(joined):
-            for r in sorted(j.entries):
-                e = j.entries[r]
-                coll.append(k)
-                rank.append(r)
-                issue.append(e.issue_ns)
-                complete.append(e.complete_ns)
-                completed.append(e.state == "completed" and e.complete_ns >= 0)
-        coll_a = np.asarray(coll, dtype=np.int64)
-        starts = np.searchsorted(coll_a, np.arange(len(joined) + 1))
+        sizes = np.fromiter((len(j.entries) for j in joined), dtype=np.int64, count=len(joined))
+        entries = [e for j in joined for e in j.entries.values()]
+        n = len(entries)
+
+        def column(name: str) -> np.ndarray:
+            return np.fromiter(map(attrgetter(name), entries), dtype=np.int64, count=n)
+
+        complete = column("complete_ns")
+        states = np.fromiter(map(attrgetter("state"), entries), dtype=object, count=n)
+        starts = np.zeros(len(joined) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
         return cls(
-            coll_a,
-            np.asarray(rank, dtype=np.int64),
-            np.asarray(issue, dtype=np.int64),
-            np.asarray(complete, dtype=np.int64),
-            np.asarray(completed, dtype=bool),
+            np.repeat(np.arange(len(joined), dtype=np.int64), sizes),
+            column("rank"),
+            column("issue_ns"),
+            complete,
+            (states == "completed") & (complete >= 0),
             starts,
         )
 
