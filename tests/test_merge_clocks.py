@@ -317,3 +317,16 @@ def test_offsets_match_an_independent_reference(tmp_path, seed):
         assert got == (offset, unc, method), (seed, r)
         if method == "estimated":  # the true offset lies within the reported interval
             assert abs(shift[host_of[r]] - offset) <= unc
+
+
+def test_docs_worked_example(tmp_path):
+    # docs/merge.md, "Worked example": the same numbers, in us on each rank's clock.
+    table = [(1000, 1310, 5300, 5310, False), (2200, 2220, 6000, 6220, False), (3000, 3110, 7100, 7400, True)]
+    us = 1_000
+    s0 = [coll(source=A, issue=T + a * us, complete=T + b * us, is_async=late) for a, b, _, _, late in table]
+    s1 = [coll(source=A, issue=T + c * us, complete=T + d * us, is_async=late) for _, _, c, d, late in table]
+    g = _run(tmp_path, [s0, s1], hosts=["node0", "node1"])
+    assert g.offsets[(0, 1)] == 4_005 * us and g.clocks.uncertainty_ns[1] == 15 * us
+    waits = [t["waits"] for t in g.timings]
+    assert waits == [{0: 295 * us, 1: 0}, {0: 0, 1: 205 * us}, {0: 95 * us, 1: 0}]
+    assert list(g.collectives.last_rank) == [1, 0, 1]
