@@ -5,8 +5,7 @@ Analyzers are small modules the :class:`MergedTrace` facade delegates to: ``matc
 Reference: ``docs/merge.md``.
 """
 
-from .graph import MergedTrace, merge_ranks
+from .graph import MergedTrace, load_merged, merge_ranks
 from .match import Finding, Joined
-from .persist import load_merged
 
 __all__ = ["Finding", "Joined", "MergedTrace", "load_merged", "merge_ranks"]

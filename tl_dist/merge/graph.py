@@ -354,6 +354,25 @@ def build(
     )
 
 
+def load_merged(
+    path: str | os.PathLike, *, steps: Iterable[int] | None = None, ranks: Iterable[int] | None = None
+) -> MergedTrace:
+    """Reopen a merged trace written by ``MergedTrace.save`` (optionally only some steps / ranks of it); the
+    merge is re-run over its stored tables, one step at a time.
+
+    Raises:
+        ShardFormatError: the file is missing, not HDF5, not a merged trace, or from a newer schema.
+        MergeError: ``steps`` / ``ranks`` select nothing in it.
+
+    Example:
+        >>> g = tl.load_merged("job42-merged.h5"); g.findings
+    """
+    from .persist import open_merged
+
+    stored = open_merged(path, steps=steps, ranks=ranks)
+    return build(stored.pop("source"), stored.pop("keys"), strict=False, **stored)
+
+
 def _progress(total: int) -> Any:
     try:
         from tqdm.auto import tqdm  # installed with lightning; optional here

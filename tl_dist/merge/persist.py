@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import h5py
 
@@ -70,19 +70,16 @@ def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
     return path
 
 
-def load_merged(
+def open_merged(
     path: str | os.PathLike, *, steps: Iterable[int] | None = None, ranks: Iterable[int] | None = None
-) -> MergedTrace:
-    """Reopen a merged trace written by ``MergedTrace.save`` (optionally only some steps / ranks of it).
+) -> dict[str, Any]:
+    """What ``tl.load_merged`` needs to re-run the merge over a merged file: ``build``'s arguments (the source of
+    the chosen (step, rank) tables, their keys, world size, expected ranks, shard errors, steps written).
 
     Raises:
         ShardFormatError: the file is missing, not HDF5, not a merged trace, or from a newer schema.
         MergeError: ``steps`` / ``ranks`` select nothing in it.
-
-    Example:
-        >>> g = tl.load_merged("job42-merged.h5"); g.findings
     """
-    from .graph import build
 
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path, got {type(path).__name__}")
@@ -130,13 +127,11 @@ def load_merged(
         raise MergeError(f"{path}: no ranks' tables for steps={steps!r}, ranks={ranks!r}")
     if want_ranks is not None:
         expected = sorted(want_ranks & set(expected))
-    source = MergedFileSource(path, groups)
-    return build(
-        source,
-        sorted(groups),
-        world_size=world_size,
-        strict=False,
-        expected=expected,
-        shard_errors=errors,
-        written=written,
-    )
+    return {
+        "source": MergedFileSource(path, groups),
+        "keys": sorted(groups),
+        "world_size": world_size,
+        "expected": expected,
+        "shard_errors": errors,
+        "written": written,
+    }
