@@ -22,7 +22,7 @@ from ..errors import MergeError, TlDistError
 from .clocks import ClockSolution
 from .match import Finding, Joined
 from .sources import Interner, RankData, ShardSource, check_subset, find_shards
-from .steps import analyse_step, join_step
+from .steps import RunFacts, analyse_step, join_step
 from .timing import step_timing
 
 if TYPE_CHECKING:
@@ -304,6 +304,7 @@ def build(
     for s, r in sorted(keys):
         by_step.setdefault(s, []).append(r)
     names = Interner()
+    facts = RunFacts(world_size, errors, written or {})
     bar = _progress(len(keys)) if progress else None
     results, data, absent = [], {}, {}
     try:
@@ -332,9 +333,7 @@ def build(
             missing = {r for r in expected if r not in step_data}
             if missing:
                 absent[step] = missing
-            result, _, _ = analyse_step(
-                step, step_data, absent=missing, errors=errors, world_size=world_size, written=written or {}
-            )
+            result, _, _ = analyse_step(step, step_data, missing, facts)
             results.append(result)
             for rank, d in step_data.items():
                 d.entries = None  # rebuilt from the shard when a view needs them

@@ -39,24 +39,25 @@ def join_step(step: int, data: dict[int, RankData], absent: set[int]) -> tuple[l
     )
 
 
-def shard_findings(
-    step: int,
-    data: dict[int, RankData],
-    *,
-    absent: set[int],
-    errors: dict[tuple[int, int], str],
-    world_size: int,
-    written: dict[int, list[int]],
-) -> list[Finding]:
+@dataclass
+class RunFacts:
+    """What a step's analysis needs to know about the run beyond the step's shards."""
+
+    world_size: int
+    errors: dict[tuple[int, int], str]  # (step, rank) -> why that shard could not be read
+    written: dict[int, list[int]]  # per rank, every step it has a shard for
+
+
+def shard_findings(step: int, data: dict[int, RankData], absent: set[int], run: RunFacts) -> list[Finding]:
     """Findings about the shards themselves: ``unreadable_shard``, ``missing_rank`` (with the last step that
     rank wrote a shard for) and ``incomplete_shard`` (how its window ended, where its thread was)."""
     out = []
     for r in sorted(absent):
-        err = errors.get((step, r))
+        err = run.errors.get((step, r))
         if err is not None:
             out.append(Finding("unreadable_shard", step, (), -1, (r,), f"rank {r}: {err}"))
             continue
-        earlier = [s for s in written.get(r, ()) if s < step]
+        earlier = [s for s in run.written.get(r, ()) if s < step]
         last = max(earlier) if earlier else None
         tail = f"its last shard is step {last}" if last is not None else "no earlier shard of it was found"
         out.append(
@@ -66,7 +67,7 @@ def shard_findings(
                 (),
                 -1,
                 (r,),
-                f"no shard for rank {r} of {world_size} ({tail}): it died or hung before its window ended, "
+                f"no shard for rank {r} of {run.world_size} ({tail}): it died or hung before its window ended, "
                 "without a post-mortem (SIGKILL, a C++ abort)",
                 {r: {"absent": True, "last_step": last}},
             )
@@ -99,21 +100,13 @@ class StepResult:
 
 
 def analyse_step(
-    step: int,
-    data: dict[int, RankData],
-    *,
-    absent: set[int],
-    errors: dict[tuple[int, int], str],
-    world_size: int,
-    written: dict[int, list[int]],
+    step: int, data: dict[int, RankData], absent: set[int], run: RunFacts
 ) -> tuple[StepResult, list[Joined], StepTiming]:
     """Everything the merge computes for one step; also returns its joined collectives and their timing."""
     from .views import collective_row
 
     joined, found = join_step(step, data, absent)
-    findings = shard_findings(
-        step, data, absent=absent, errors=errors, world_size=world_size, written=written
-    )
+    findings = shard_findings(step, data, absent, run)
     members = Members.of(joined)
     clocks = estimate_clocks(joined, {r: clock_key(r, d.metadata) for r, d in data.items()}, members)
     timing = step_timing(joined, clocks, members)

@@ -236,6 +236,16 @@ def write_table(
     return group
 
 
+def _table(parent: h5py.Group, name: str) -> tuple[h5py.Group, int]:
+    """Table group ``name`` of ``parent`` (checked to be one) and its row count."""
+    if name not in parent:
+        raise ValueError(f"group {name!r} is missing")
+    group = parent[name]
+    if not isinstance(group, h5py.Group) or group.attrs.get("encoding-type") != "table":
+        raise ValueError(f"{group.name} is not a table (encoding-type attribute 'table' missing)")
+    return group, int(group.attrs["n-rows"])
+
+
 # What a column written before its field existed reads as: the schema's "none / unknown" spellings.
 _MISSING = {"int": -1, "float": float("nan"), "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
 
@@ -256,12 +266,7 @@ def read_table(
 
     ``strings``: the already read string table the group's ``strings`` attribute names (read here if None).
     """
-    if name not in parent:
-        raise ValueError(f"group {name!r} is missing")
-    group = parent[name]
-    if not isinstance(group, h5py.Group) or group.attrs.get("encoding-type") != "table":
-        raise ValueError(f"{group.name} is not a table (encoding-type attribute 'table' missing)")
-    n = int(group.attrs["n-rows"])
+    group, n = _table(parent, name)
     written = set(np.asarray(group.attrs.get("column-order", ()), dtype=object).tolist())
     path = group.attrs.get("strings")
     if n and path is not None and strings is None:
@@ -310,12 +315,7 @@ def read_arrays(
         >>> n, arrays, categories = read_arrays(root, "ops", fields)
         >>> strings[arrays["label"]]
     """
-    if name not in parent:
-        raise ValueError(f"group {name!r} is missing")
-    group = parent[name]
-    if not isinstance(group, h5py.Group) or group.attrs.get("encoding-type") != "table":
-        raise ValueError(f"{group.name} is not a table (encoding-type attribute 'table' missing)")
-    n = int(group.attrs["n-rows"])
+    group, n = _table(parent, name)
     written: set[str] | None = None  # read when a column is absent (attribute reads cost as much as columns)
     has_table: bool | None = None
     arrays: dict[str, np.ndarray] = {}
