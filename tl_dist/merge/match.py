@@ -237,6 +237,10 @@ def _size_problem(func: str, entries: list[Entry], group_size: int) -> str:
 
 def _mismatch(slot: Joined, entries: list, group_size: int) -> tuple[str, str] | None:
     """Type, dtype or size disagreement among members that all issued the collective; None if they agree."""
+    if not slot.p2p and len({(e.func, e.dtype, e.in_numel, e.out_numel) for e in entries}) == 1:
+        # Every member issued the same thing (the healthy case): the kind's rule holds for all if for one.
+        if not _size_problem(entries[0].func, entries[:1], group_size):
+            return None
     if not slot.p2p and len({e.func for e in entries}) > 1:
         return "type_mismatch", "different collectives: " + ", ".join(
             f"rank {e.rank} {e.func}" for e in entries

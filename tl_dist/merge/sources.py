@@ -176,13 +176,13 @@ def read_rank(
     root: h5py.Group, metadata: dict, failed_op: Any, strings: list[str] | None, names: Interner, key: tuple
 ) -> RankData:
     """Read one shard's (or merged-file group's) tables into a :class:`RankData`. ``key``: (step, rank)."""
-    from ..store.codecs import read_arrays, read_column
+    from ..store.codecs import read_arrays, read_ragged
 
     step, rank = key
     data = RankData(rank, step, metadata, failed_op)
     n, ops, op_tables = read_arrays(root, "ops", _OP_FIELDS)
     m, ct, ct_tables = read_arrays(root, "collectives", _COLL_FIELDS)
-    groups = read_column(root["collectives"], _GROUP_FIELD, m, strings) if m else []
+    groups = _groups(read_ragged(root["collectives"], _GROUP_FIELD)) if m else []
 
     def ids(arrays: dict, tables: dict, name: str, rows: np.ndarray | None = None) -> np.ndarray:
         codes = arrays[name] if rows is None else arrays[name][rows]
@@ -216,8 +216,6 @@ def read_rank(
         where[name] = np.where(valid, got, 0)
     coded = {name: ids(ct, ct_tables, name) for name in _STR_COLL}
     text = {name: names.text(coded[name]) for name in ("func", "group_name", "dtype", "state")}
-    unique_groups: dict[tuple, tuple[int, ...]] = {}
-    group_tuples = [unique_groups.get(g) or unique_groups.setdefault(g, tuple(map(int, g))) for g in groups]
     keys = list(zip(coded["func"].tolist(), where["module"].tolist(), where["source"].tolist()))
     data.entries = list(
         map(
@@ -227,7 +225,7 @@ def read_rank(
                 range(m),
                 op.tolist(),
                 text["func"],
-                group_tuples,
+                groups,
                 text["group_name"],
                 ct["seq"].tolist(),
                 ct["peer"].tolist(),
@@ -248,6 +246,22 @@ def read_rank(
         )
     )
     return data
+
+
+def _groups(ragged: tuple[np.ndarray, np.ndarray]) -> list[tuple[int, ...]]:
+    """The group_ranks column as tuples, one object per distinct group: a world group of 1,024 ranks on every
+    row is 500 x 1,024 values, turned into Python ints once instead of per row."""
+    values, offsets = ragged
+    distinct: dict[bytes, tuple[int, ...]] = {}
+    out = []
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        row = values[a:b]
+        key = row.tobytes()
+        group = distinct.get(key)
+        if group is None:
+            group = distinct[key] = tuple(row.tolist())
+        out.append(group)
+    return out
 
 
 class ShardSource:

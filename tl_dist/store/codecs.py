@@ -174,10 +174,7 @@ def read_column(group: h5py.Group, field: Field, n: int, strings: list[str] | No
         _check_encoding(node, "categorical", field)
         values = _read_categorical(node)
     elif kind == "ints":
-        _check_encoding(node, "ragged", field)
-        flat, offsets = _read_dataset(node, "values"), _read_dataset(node, "offsets")
-        if flat is None or offsets is None:
-            raise ValueError(f"column {field.name!r}: ragged values or offsets missing")
+        flat, offsets = read_ragged(group, field)
         values = _split(flat.tolist(), offsets.tolist())
     elif kind == "strs":
         _check_encoding(node, "ragged-categorical", field)
@@ -234,6 +231,16 @@ def write_table(
             raise ValueError(f"table {name!r}: column {f.name!r} has {len(values)} rows, expected {n}")
         write_column(group, f, values, options, table)
     return group
+
+
+def read_ragged(group: h5py.Group, field: Field) -> tuple[np.ndarray, np.ndarray]:
+    """An ``ints`` column as numpy arrays ``(values, offsets)``: row i is ``values[offsets[i]:offsets[i+1]]``."""
+    node = group[field.name]
+    _check_encoding(node, "ragged", field)
+    flat, offsets = _read_dataset(node, "values"), _read_dataset(node, "offsets")
+    if flat is None or offsets is None:
+        raise ValueError(f"column {field.name!r}: ragged values or offsets missing")
+    return flat, offsets
 
 
 def _table(parent: h5py.Group, name: str) -> tuple[h5py.Group, int]:
