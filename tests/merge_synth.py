@@ -86,7 +86,9 @@ def make_trace(
                     op=len(rows),
                     func=func,
                     group_ranks=group,
-                    group_name="0" if len(group) == world_size else "1",
+                    group_name="0"
+                    if len(group) == world_size
+                    else "-".join(map(str, group)),  # unique, as c10d
                     group_desc="default_pg",
                     seq=seqs[group] if func not in ("send", "recv") else -1,
                     reduce_op="sum" if func in ("all_reduce", "reduce_scatter") else "",

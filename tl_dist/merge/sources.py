@@ -176,13 +176,13 @@ def read_rank(
     root: h5py.Group, metadata: dict, failed_op: Any, strings: list[str] | None, names: Interner, key: tuple
 ) -> RankData:
     """Read one shard's (or merged-file group's) tables into a :class:`RankData`. ``key``: (step, rank)."""
-    from ..store.codecs import read_arrays, read_ragged
+    from ..store.codecs import read_arrays
 
     step, rank = key
     data = RankData(rank, step, metadata, failed_op)
     n, ops, op_tables = read_arrays(root, "ops", _OP_FIELDS)
     m, ct, ct_tables = read_arrays(root, "collectives", _COLL_FIELDS)
-    groups = _groups(read_ragged(root["collectives"], _GROUP_FIELD)) if m else []
+    groups = _groups(root["collectives"], ct["group_name"]) if m else []
 
     def ids(arrays: dict, tables: dict, name: str, rows: np.ndarray | None = None) -> np.ndarray:
         codes = arrays[name] if rows is None else arrays[name][rows]
@@ -248,20 +248,23 @@ def read_rank(
     return data
 
 
-def _groups(ragged: tuple[np.ndarray, np.ndarray]) -> list[tuple[int, ...]]:
-    """The group_ranks column as tuples, one object per distinct group: a world group of 1,024 ranks on every
-    row is 500 x 1,024 values, turned into Python ints once instead of per row."""
-    values, offsets = ragged
-    distinct: dict[bytes, tuple[int, ...]] = {}
-    out = []
-    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        row = values[a:b]
-        key = row.tobytes()
-        group = distinct.get(key)
-        if group is None:
-            group = distinct[key] = tuple(row.tolist())
-        out.append(group)
-    return out
+def _groups(collectives: h5py.Group, group_names: np.ndarray) -> list[tuple[int, ...]]:
+    """The group_ranks column as tuples, one object per process group. Within a process a group's name names
+    its members, so only the first row of each (name, size) is read: a world group of 1,024 ranks on 500 rows
+    would otherwise be half a million values to decompress per shard, and O(ranks^2) for the merge."""
+    import h5py
+
+    from ..store.codecs import _read_dataset, read_ragged_rows
+
+    node = collectives[_GROUP_FIELD.name]
+    offsets = _read_dataset(node, "offsets") if isinstance(node, h5py.Group) else None
+    if offsets is None or len(offsets) != len(group_names) + 1:
+        raise ValueError("collectives/group_ranks: offsets missing or of the wrong length")
+    sizes = np.diff(offsets)
+    key = group_names.astype(np.int64) * (int(sizes.max(initial=0)) + 1) + sizes
+    distinct, first, which = np.unique(key, return_index=True, return_inverse=True)
+    _, groups = read_ragged_rows(collectives, _GROUP_FIELD, first.tolist())
+    return [groups[k] for k in which.reshape(-1).tolist()]
 
 
 class ShardSource:

@@ -243,6 +243,18 @@ def read_ragged(group: h5py.Group, field: Field) -> tuple[np.ndarray, np.ndarray
     return flat, offsets
 
 
+def read_ragged_rows(group: h5py.Group, field: Field, rows: list[int]) -> tuple[np.ndarray, list[tuple]]:
+    """Some rows of an ``ints`` column: ``(offsets, [row values as a tuple, ...])``, reading (and
+    decompressing) only the parts of ``values`` those rows lie in."""
+    node = group[field.name]
+    _check_encoding(node, "ragged", field)
+    offsets = _read_dataset(node, "offsets")
+    if offsets is None or "values" not in node:
+        raise ValueError(f"column {field.name!r}: ragged values or offsets missing")
+    values = node["values"]
+    return offsets, [tuple(values[offsets[r] : offsets[r + 1]].tolist()) for r in rows]
+
+
 def _table(parent: h5py.Group, name: str) -> tuple[h5py.Group, int]:
     """Table group ``name`` of ``parent`` (checked to be one) and its row count."""
     if name not in parent:
