@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
@@ -104,14 +106,24 @@ def synthetic_trace(tpl: Template, rank: int, world: int, step: int, jitter: np.
     return Trace(cols, mods, collective_table=ct, metadata=meta)
 
 
-def write_run(root: Path, world: int, steps: int) -> Path:
+def _write_ranks(root: Path, world: int, steps: int, ranks: list[int]) -> None:
     tpl = Template()
     jitter = arrival_jitter(world)
-    for r in range(world):
+    for r in ranks:
         folder = root / f"rank{r:05d}"
         folder.mkdir(parents=True, exist_ok=True)
         for s in range(steps):
-            write_shard(synthetic_trace(tpl, r, world, s, jitter), folder / f"step{s:08d}.h5")
+            path = folder / f"step{s:08d}.h5"
+            if not path.exists():
+                write_shard(synthetic_trace(tpl, r, world, s, jitter), path)
+
+
+def write_run(root: Path, world: int, steps: int) -> Path:
+    """Write (or complete) the run's shards, in as many processes as there are cores (not measured)."""
+    workers = max(1, min(os.cpu_count() or 1, 8))
+    chunks = [list(range(world))[k::workers] for k in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_write_ranks, [(root, world, steps, c) for c in chunks if c])
     return root
 
 
@@ -119,14 +131,15 @@ _CHILD = """
 import json, resource, sys, time
 import tl_dist as tl
 from bench_merge import host_shift, RANKS_PER_HOST
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 g = tl.merge_ranks(sys.argv[1])
-elapsed = time.perf_counter() - t
+elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
 clocks = g.clocks
 est = clocks[clocks.method == "estimated"]
 errors = [abs(int(r.offset_ns) - host_shift(int(r.rank) // RANKS_PER_HOST)) for r in est.itertuples()]
 print(json.dumps({
     "seconds": elapsed,
+    "cpu": cpu,
     "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     "findings": len(g.findings),
     "ops": int(g.time_breakdown().ops.sum()),
@@ -157,12 +170,18 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024], help="one-step cases")
     parser.add_argument("--steps20", type=int, nargs="*", default=[64], help="ranks of the 20-step cases")
     parser.add_argument("--rounds", type=int, default=1, help="merges per case (median reported)")
+    parser.add_argument(
+        "--dir", help="keep the synthetic runs here and reuse them next time (default: temporary)"
+    )
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="tl_bench_merge_"))
+    tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tl_bench_merge_"))
     print(f"{OPS} ops and {COLLS} all_reduces per rank and step, {RANKS_PER_HOST} ranks per host")
     print(
-        f"{'ranks':>6} {'steps':>5} {'write s':>8} {'merge s':>8} {'us/op':>6} {'peak RSS':>9} {'findings':>8} "
-        f"{'clock err / unc (us)':>21}"
+        f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (merge time is wall clock)"
+    )
+    print(
+        f"{'ranks':>6} {'steps':>5} {'write s':>8} {'merge s':>8} {'cpu s':>6} {'us/op':>6} {'peak RSS':>9} "
+        f"{'findings':>8} {'clock err / unc (us)':>21}"
     )
     cases = [(w, 1) for w in args.ranks] + [(w, 20) for w in args.steps20]
     per_op = {}
@@ -180,12 +199,14 @@ def main() -> None:
                 "" if res["within"] else " ERROR > UNC"
             )
             print(
-                f"{world:>6} {steps:>5} {written:>8.1f} {res['seconds']:>8.2f} {us:>6.2f} "
+                f"{world:>6} {steps:>5} {written:>8.1f} {res['seconds']:>8.2f} {res['cpu']:>6.1f} {us:>6.2f} "
                 f"{res['peak_rss'] / 2**30:>7.2f}GB {res['findings']:>8} {clock:>21}"
             )
-            shutil.rmtree(run)
+            if not args.dir:
+                shutil.rmtree(run)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(tmp, ignore_errors=True)
     if (1024, 1) in per_op:
         print("goal 1,024 ranks x 1 step: <= 30 s and <= 4 GB peak RSS (see the row above)")
     for world in args.steps20:
