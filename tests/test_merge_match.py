@@ -56,6 +56,10 @@ def test_clean_run_every_kind_has_no_findings(tmp_path):
     assert set(frame.verdict) == {"matched"}
     assert list(frame.seq) == [1, 2, 3, 4, 5, 6]
     assert g.ranks == [0, 1] and g.world_size == 2
+    # Strings are interned across ranks: one object per distinct label, and the join key is integer ids.
+    e0, e1 = g.joined[0].entries[0], g.joined[0].entries[1]
+    assert e0.label == "all_reduce_1" and e0.label is e1.label and e0.source is e1.source
+    assert e0.key == e1.key and all(isinstance(k, int) for k in e0.key)
 
 
 def test_size_mismatch_names_rank_and_op(tmp_path):
