@@ -180,7 +180,8 @@ def main() -> None:
         f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (merge time is wall clock)"
     )
     print(
-        f"{'ranks':>6} {'steps':>5} {'write s':>8} {'merge s':>8} {'cpu s':>6} {'us/op':>6} {'peak RSS':>9} "
+        f"{'ranks':>6} {'steps':>5} {'write s':>8} {'merge s':>8} {'cpu s':>6} {'us/op':>6} {'cpu us/op':>9} "
+        f"{'peak RSS':>9} "
         f"{'findings':>8} {'clock err / unc (us)':>21}"
     )
     cases = [(w, 1) for w in args.ranks] + [(w, 20) for w in args.steps20]
@@ -194,12 +195,14 @@ def main() -> None:
             results = [merge_in_child(run) for _ in range(args.rounds)]
             res = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
             us = res["seconds"] / res["ops"] * 1e6
-            per_op[(world, steps)] = us
+            cpu_us = res["cpu"] / res["ops"] * 1e6
+            per_op[(world, steps)] = (us, cpu_us)
             clock = f"{res['max_error_ns'] / 1e3:.1f} / {res['max_uncertainty_ns'] / 1e3:.1f}" + (
                 "" if res["within"] else " ERROR > UNC"
             )
             print(
                 f"{world:>6} {steps:>5} {written:>8.1f} {res['seconds']:>8.2f} {res['cpu']:>6.1f} {us:>6.2f} "
+                f"{cpu_us:>9.2f} "
                 f"{res['peak_rss'] / 2**30:>7.2f}GB {res['findings']:>8} {clock:>21}"
             )
             if not args.dir:
@@ -211,9 +214,11 @@ def main() -> None:
         print("goal 1,024 ranks x 1 step: <= 30 s and <= 4 GB peak RSS (see the row above)")
     for world in args.steps20:
         if (world, 1) in per_op and (world, 20) in per_op:
-            ratio = per_op[(world, 20)] / per_op[(world, 1)]
+            wall = per_op[(world, 20)][0] / per_op[(world, 1)][0]
+            cpu = per_op[(world, 20)][1] / per_op[(world, 1)][1]
             print(
-                f"{world} ranks: us/op with 20 steps / with 1 step = {ratio:.2f} (1.0 = linear in total ops)"
+                f"{world} ranks: us/op with 20 steps / with 1 step = {wall:.2f} wall, {cpu:.2f} cpu "
+                "(1.0 = linear in total ops)"
             )
 
 
