@@ -291,10 +291,11 @@ def _straggler(rank, world_size, out_dir, shift_ns):
             dist.all_reduce(x)
             x = x / 2
         # Blocking collectives for the clock bounds, each rank now and then the last to arrive (so they bound
-        # the offset from both sides).
-        for k in range(16):
+        # the offset from both sides). Each bound is as tight as the quickest observed completion; on 2 shared
+        # cores most are late by a scheduling delay, so there are several dozen.
+        for k in range(48):
             if k % 2 == rank:
-                time.sleep(0.002)
+                time.sleep(0.001)
             dist.all_reduce(x)
     tl.disarm()
     return {}
@@ -306,9 +307,9 @@ def test_straggler_and_clock_shift(tmp_path):
     g = tl.merge_ranks(tmp_path / "run")
     assert g.findings == []
     clock = g.clocks.set_index("rank").loc[1]
-    assert clock.method == "estimated" and clock.host == "host1" and clock.collectives == 20
+    assert clock.method == "estimated" and clock.host == "host1" and clock.collectives == 52
     # Both ranks really read one clock, shifted by exactly `shift` on rank 1: recovered within the reported
-    # uncertainty, which the 16 collectives with alternating last arrivers keep well under 1 ms.
+    # uncertainty, which the collectives with alternating last arrivers keep under 1 ms.
     assert abs(g.offsets[(1, 1)] - shift) <= clock.uncertainty_ns < 1_000_000, g.clocks
     strag = g.stragglers()
     assert list(strag["rank"]) == [1, 0]
