@@ -89,9 +89,12 @@ def test_step_and_rank_filters(tmp_path, capsys):
     assert "tl_dist merged trace: 2/3 ranks, steps [20], 4 ops, 1 collectives" in capsys.readouterr().out
     assert main(["export", run, "--perfetto", str(tmp_path / "t.json"), "--rank", "1-2", "--step", "10"]) == 0
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-    assert {e["pid"] for e in events} == {1, 2} and {e["args"]["step"] for e in events if e["ph"] == "X"} == {
-        10
-    }
+    assert {e["pid"] for e in events} == {1, 2}
+    assert {e["args"]["step"] for e in events if e["ph"] == "X"} == {10}
+    assert main(["export", run, "--perfetto", str(tmp_path / "all.json")]) == 0
+    events = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
+    slices = sorted((e["pid"], e["args"]["step"], e["name"]) for e in events if e["ph"] == "X")
+    assert slices == sorted((r, s, op) for r in range(3) for s in (10, 20) for op in ("mm_1", "all_reduce_1"))
     assert main(["merge", run, "-o", str(tmp_path / "m.h5"), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["summary", str(tmp_path / "m.h5"), "--rank", "1"]) == 0  # a merged file filters the same way
