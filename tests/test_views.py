@@ -347,5 +347,11 @@ def test_draw_and_summary_of_forward_and_backward(tmp_path):
     backward = [i for i in range(len(t)) if t[i].module_call < 0]
     assert backward and all(f"op{i}" in collapsed["node"] for i in backward)
     assert len(collapsed["node"]) < len(full["node"])
+    # In the per-module table a backward op counts with the module of its forward op: only the input, the
+    # loss (a top-level sum), the seed gradient and the sum's backward are outside modules.
+    outside = [i for i in range(len(t)) if not t[i].module_stack]
+    assert [t[i].func for i in outside if t[i].phase == "backward"] == ["ones_like", "detach", "expand"]
+    assert t[outside[-4]].func == "sum"
     rows = {r["address"]: r for r in module_rows(t)}
-    assert rows["(outside modules)"]["ops"] == len(backward)
+    assert rows["(outside modules)"]["ops"] == len(outside)
+    assert rows[""]["ops"] == len(t) - len(outside)
