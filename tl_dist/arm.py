@@ -356,7 +356,10 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
         # must not be recorded into the trace being written.
         with _disable_current_modes():
             trace = cap._build_trace(output=None)
-            for entry in recorder.modules._stack:  # calls still open end where the window stopped
+            # A snapshot: the window may go on (SIGUSR1), so its module table is copied before the open
+            # calls are ended where the window stands now.
+            trace.module_table = {name: list(col) for name, col in trace.module_table.items()}
+            for entry in recorder.modules._stack:
                 if entry[1] >= 0:
                     trace.module_table["end_op"][entry[1]] = recorder.n_ops
             if trace.failed_op is None:

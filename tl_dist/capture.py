@@ -156,7 +156,7 @@ class Capture:
             metadata["device_name"] = torch.cuda.get_device_name(torch.device(cuda))
         return Trace(
             columns,
-            {name: list(col) for name, col in modules.calls.items()},
+            modules.calls,  # the tracker is done with it: no copy
             collective_table=rec.comm.columns(columns),
             saved=rec.saved,
             replay=rec.replay,
