@@ -22,7 +22,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten
 
-from ._common import TAG
+from ._common import TAG, TORCH_DIR
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
 _LEAF_SPEC = tree_flatten(torch.empty(0))[1]
@@ -36,6 +36,21 @@ def _strip_compiled(name: str) -> str:
     if "_orig_mod" not in name:
         return name
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+_BUILTIN: dict[type, bool] = {}
+
+
+def _is_builtin(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is torch's own code (nn.Linear, nn.MultiheadAttention, DDP), so no user frame
+    can sit between its call and its ops: their source is the call site, found without walking the stack.
+    NB: ops of a user hook registered on such a module are located at the module's call site too."""
+    cls = type(module)
+    builtin = _BUILTIN.get(cls)
+    if builtin is None:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        builtin = _BUILTIN[cls] = code is not None and code.co_filename.startswith(TORCH_DIR)
+    return builtin
 
 
 def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
@@ -57,8 +72,8 @@ class ModuleTracker:
         self.calls = empty_columns(MODULE_CALL_FIELDS)
         self.out_trees: dict[int, Any] = {}  # call row -> (treespec, leaves) to rebuild the output structure
         self._call_counts: dict[str, int] = {}
-        # (id(module), call row or -1 for a recomputation, address stack, source)
-        self._stack: list[tuple[int, int, tuple[str, ...], str]] = []
+        # (id(module), call row or -1 for a recomputation, address stack, call site, torch's own class)
+        self._stack: list[tuple[int, int, tuple[str, ...], str, bool]] = []
         self._forward_calls: dict[int, tuple[tuple[str, ...], str]] = {}  # id(module) -> last forward call
         self.stack_of_address: dict[str, tuple[str, ...]] = {}  # address -> stack of its last forward call
         self.recompute_calls = 0  # open module calls that started inside the autograd engine
@@ -67,6 +82,8 @@ class ModuleTracker:
         self.current_call = -1
         self.current_address = ""
         self.current_source = ""
+        # The innermost call is of a torch module class (nn.Linear): the source of its ops is its call site.
+        self.current_builtin = False
         self.address_stack: tuple[str, ...] = ()
         self._root_names: set[str] = set()
         for prefix, root in roots:
@@ -138,7 +155,7 @@ class ModuleTracker:
         if in_engine:
             # Checkpoint recomputation: the ops belong to the module's forward call, already in the table.
             stack, source = self._forward_calls.get(id(module)) or (self.address_stack + (address,), "")
-            self._stack.append((id(module), -1, stack, source))
+            self._stack.append((id(module), -1, stack, source, _is_builtin(module)))
             self.recompute_calls += 1
             self._set_current()
             return
@@ -156,11 +173,16 @@ class ModuleTracker:
         calls["end_op"].append(first)
         calls["out_ops"].append(())
         calls["out_pos"].append(())
-        locate = self._recorder._source
-        source = locate.call_site() if locate is not None else ""
+        locate = self._recorder.locate
+        if locate is None:
+            source = ""
+        elif self.current_builtin:  # called from a torch module's forward: the same site as its ops'
+            source = self.current_source
+        else:
+            source = locate.call_site()
         calls["source"].append(source)
         stack = self.address_stack + (address,)
-        self._stack.append((id(module), row, stack, source))
+        self._stack.append((id(module), row, stack, source, _is_builtin(module)))
         self._forward_calls[id(module)] = (stack, source)
         self.stack_of_address[address] = stack
         self._set_current()
@@ -173,7 +195,7 @@ class ModuleTracker:
         if _get_ident() != self.thread and _graph_task_id() == -1:
             return
         while stack:
-            mid, row, _, _ = stack.pop()
+            mid, row, _, _, _ = stack.pop()
             if row < 0:
                 self.recompute_calls -= 1
             else:
@@ -206,19 +228,20 @@ class ModuleTracker:
 
     def _set_current(self) -> None:
         if self._stack:
-            _, row, self.address_stack, self.current_source = self._stack[-1]
+            _, row, self.address_stack, self.current_source, self.current_builtin = self._stack[-1]
             self.current_call = row
             self.current_address = self.address_stack[-1]
         else:
             self.current_call = -1
             self.current_address = ""
             self.current_source = ""
+            self.current_builtin = False
             self.address_stack = ()
 
     def close(self) -> None:
         """Ends calls still open (the forward raised) at the current op count; untags the modules' tensors."""
         while self._stack:
-            _, row, _, _ = self._stack.pop()
+            _, row, _, _, _ = self._stack.pop()
             if row >= 0:
                 self.calls["end_op"][row] = self._recorder.n_ops
         self.recompute_calls = 0
@@ -234,6 +257,14 @@ class ModuleTracker:
                 tag = getattr(t, TAG, None)
                 if tag is not None and tag[0] == token:
                     delattr(t, TAG)
+
+    def open_call_rows(self) -> list[int]:
+        """Module-call table rows of the calls running now (a post-mortem ends them where the window stands)."""
+        return [entry[1] for entry in self._stack if entry[1] >= 0]
+
+    def live_modules(self) -> list[torch.nn.Module]:
+        """The modules the capture has seen that are still alive."""
+        return [m for m in (ref() for ref in self._modules.values()) if m is not None]
 
     def owner_of(self, param: torch.Tensor | None) -> tuple[str, tuple[str, ...]]:
         """(address, address stack) of the innermost called module owning ``param`` (for a backward op that

@@ -24,8 +24,7 @@ from ._common import TAG as _TAG
 from ._common import TORCH_DIR as _TORCH_DIR
 from ._common import RowView, device_name, dtype_name, flat_outputs, storage_key
 from ._modules import ModuleTracker
-from ._opinfo import _CACHE as _OPINFO_CACHE
-from ._opinfo import flop_count, mutated_tensors, op_info
+from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
 from ._phases import SPECIAL as _SPECIAL_PHASE
 from ._phases import PhaseTracker, accumulating_param, in_recompute
 from .collectives import CollectiveLog
@@ -164,7 +163,7 @@ class Recorder:
         self._label_counts: dict[str, int] = {}
         self.modules = ModuleTracker(self, roots)
         self._backward_sources: dict[int, str] = {}  # autograd graph task -> where backward() was called
-        self._source = SourceLocator(self.modules) if source else None
+        self.locate = SourceLocator(self.modules) if source else None
         self.params = self.modules.params
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
@@ -178,7 +177,7 @@ class Recorder:
 
     # -- the hot path -------------------------------------------------------------------------------------
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        info = _OPINFO_CACHE.get(func) or op_info(func)
+        info = OPINFO_CACHE.get(func) or op_info(func)
         if self.pending is not None:  # the previous op's outputs now have their grad_fn
             self.training.link_pending()
         tensors: list[Tensor] = []
@@ -280,12 +279,17 @@ class Recorder:
             if info.func in _SPECIAL_PHASE:
                 phase = self.phases.special(info.func, args, phase)
             address, stack, call = modules.current_address, modules.address_stack, modules.current_call
-            source = self._source() if self._source is not None else ""
+            if self.locate is None:
+                source = ""
+            elif modules.current_builtin:  # inside nn.Linear & co: no user frame below its call site
+                source = modules.current_source
+            else:
+                source = self.locate()
         elif _grad_enabled() and in_recompute(modules.recompute_calls):
             # Checkpoint recomputation: forward code run again by the engine; its module is the forward call's.
             phase, fwd_op = "recompute", -1
             address, stack, call = modules.current_address, modules.address_stack, -1
-            source = self._source() if self._source is not None else ""
+            source = self.locate() if self.locate is not None else ""
         else:
             phase, fwd_op, call = "backward", backward_link(token), -1
             if fwd_op >= 0:  # the module of the forward op this op differentiates
@@ -296,7 +300,7 @@ class Recorder:
             # Every op of one backward pass has the same Python stack above the engine: the .backward() call.
             source = self._backward_sources.get(task)
             if source is None:
-                source = self._source() if self._source is not None else ""
+                source = self.locate() if self.locate is not None else ""
                 self._backward_sources[task] = source
         row = (
             index,
@@ -351,7 +355,7 @@ class Recorder:
         pre_write: dict[int, Tensor] | None,
     ) -> None:
         keep = self.keep_graph
-        watch = self._watch
+        watch = self.watch
         self.saved[index] = [o if keep else o.detach() for o in outs]
         for pos, o in enumerate(outs):
             watch(o, (index, 0, pos))
@@ -417,7 +421,7 @@ class Recorder:
                 extra.append(base)
         return outs + extra if extra else outs
 
-    def _watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
+    def watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
         key = storage_key(t)
         if key is not None:
             self._storage_refs.setdefault(key, []).append(entry)
@@ -463,7 +467,7 @@ class Recorder:
                     saved: list[Tensor | None] = [None] * n_out
                     saved[pos] = leaf if self.keep_graph else leaf.detach()
                     self.saved[index] = saved
-                    self._watch(leaf, (index, 0, pos))
+                    self.watch(leaf, (index, 0, pos))
         return tuple(ops), tuple(poss)
 
     def _record_failure(self, info: Any, exc: BaseException) -> None:
@@ -473,14 +477,14 @@ class Recorder:
             "func": info.func,
             "aten": info.aten,
             "module": modules.current_address,
-            "source": self._source() if self._source is not None else "",
+            "source": self.locate() if self.locate is not None else "",
             "error": f"{type(exc).__name__}: {exc}",
         }
 
     # -- after the window ----------------------------------------------------------------------------------
-    def log_backward(self, trace: Any, loss: Tensor) -> Any:
-        """Runs ``loss.backward()`` under this recorder and refreshes ``trace``'s tables; see
-        :meth:`tl_dist.trace.Trace.log_backward`."""
+    def log_backward(self, loss: Tensor) -> dict[str, Any]:
+        """Runs ``loss.backward()`` under this recorder; returns the trace's tables, grown by its ops (see
+        :meth:`tl_dist.trace.Trace.log_backward`)."""
         if not isinstance(loss, Tensor):
             raise ValueError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
         if not loss.requires_grad:
@@ -500,13 +504,13 @@ class Recorder:
         finally:
             training.open = False
             self.phase = "forward"
-        trace.columns = self.columns()
-        trace.collective_table = self.comm.columns(trace.columns)  # DDP's bucket all-reduces run in backward
-        trace._labels = None
-        trace._children = None
-        trace.grads = training.grads
-        trace.stats_table = training.finish()
-        return trace
+        columns = self.columns()
+        return {
+            "columns": columns,
+            "collective_table": self.comm.columns(columns),  # DDP's bucket all-reduces run in backward
+            "grads": training.grads,
+            "stats_table": training.finish(),
+        }
 
     # -- end of capture -----------------------------------------------------------------------------------
     def columns(self) -> dict[str, list]:

@@ -359,9 +359,8 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
             # A snapshot: the window may go on (SIGUSR1), so its module table is copied before the open
             # calls are ended where the window stands now.
             trace.module_table = {name: list(col) for name, col in trace.module_table.items()}
-            for entry in recorder.modules._stack:
-                if entry[1] >= 0:
-                    trace.module_table["end_op"][entry[1]] = recorder.n_ops
+            for row in recorder.modules.open_call_rows():
+                trace.module_table["end_op"][row] = recorder.n_ops
             if trace.failed_op is None:
                 trace.failed_op = _in_flight(frame)
             meta = window.metadata(complete=False, reason=reason)

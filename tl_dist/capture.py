@@ -203,10 +203,7 @@ class Capture:
             return
         persistent: set[int | None] = set()
         rec = self._recorder
-        for ref in rec.modules._modules.values():
-            mod = ref()
-            if mod is None:
-                continue
+        for mod in rec.modules.live_modules():
             for t in (*mod._parameters.values(), *mod._buffers.values()):
                 if t is not None:
                     persistent.add(storage_key(t))

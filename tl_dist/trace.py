@@ -374,7 +374,11 @@ class Trace:
                 "log_backward needs a trace recorded in this process by tl.trace or tl.capture; "
                 "a trace loaded from a shard cannot run backward"
             )
-        return self._recorder.log_backward(self, loss)
+        for name, table in self._recorder.log_backward(loss).items():
+            setattr(self, name, table)
+        self._labels = None
+        self._children = None
+        return self
 
     def first_nonfinite(self, *, forward_inf: bool = False) -> Op | None:
         """The first op, in the order values were computed, whose output or gradient held a non-finite value

@@ -316,7 +316,7 @@ class TrainingState:
                         saved[pos] = g.detach() if g.requires_grad else g
                         # An in-place write later in the window (grad accumulation into .grad) must not
                         # change the stored gradient: copy-before-write, as for saved outputs.
-                        rec._watch(g, (index, 2, pos))
+                        rec.watch(g, (index, 2, pos))
                     if stats and pos == first:  # statistics of the first output's gradient, as for outputs
                         values = tensor_stats(g)
                         if values is not None:
