@@ -19,23 +19,23 @@ OWN_DIR = os.path.dirname(__file__) + os.sep
 # Position of each schema field in a recorder row (rows are tuples in ``schema.OP_FIELDS`` order).
 FIELD_INDEX = {name: i for i, name in enumerate(field_names(OP_FIELDS))}
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-_DEVICE_NAMES: dict[torch.device, str] = {}
+DTYPE_NAMES: dict[torch.dtype, str] = {}
+DEVICE_NAMES: dict[torch.device, str] = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"`` (memoised: called for every op)."""
-    name = _DTYPE_NAMES.get(dtype)
+    name = DTYPE_NAMES.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+        name = DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
 
 
 def device_name(device: torch.device) -> str:
     """``device(type='cuda', index=0)`` -> ``"cuda:0"`` (memoised)."""
-    name = _DEVICE_NAMES.get(device)
+    name = DEVICE_NAMES.get(device)
     if name is None:
-        name = _DEVICE_NAMES[device] = str(device)
+        name = DEVICE_NAMES[device] = str(device)
     return name
 
 

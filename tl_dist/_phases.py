@@ -71,11 +71,14 @@ class PhaseTracker:
                 return None
             rec.phase = "optimizer"
             optimizers.add(optimizer)
+            if rec.locate is not None:  # where step() was called: the source of every op of the step
+                rec.step_source = rec.locate.caller(2)
             return _wrap_closure(rec, args, kwargs)
 
         def post(optimizer: Any, args: Any, kwargs: Any) -> None:
             if _get_ident() == thread:
                 rec.phase = "forward"
+                rec.step_source = None
 
         self._handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 
@@ -156,11 +159,12 @@ def _wrap_closure(rec: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | N
         return None
 
     def closure_outside_the_step() -> Any:
-        rec.phase = "forward"
+        rec.phase, source = "forward", rec.step_source
+        rec.step_source = None
         try:
             return closure()
         finally:
-            rec.phase = "optimizer"
+            rec.phase, rec.step_source = "optimizer", source
 
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure_outside_the_step}

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._common import DEVICE_NAMES, DTYPE_NAMES, RowView, device_name, dtype_name, flat_outputs, storage_key
 from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import OWN_DIR as _OWN_DIR
 from ._common import TAG as _TAG
 from ._common import TORCH_DIR as _TORCH_DIR
-from ._common import RowView, device_name, dtype_name, flat_outputs, storage_key
 from ._modules import ModuleTracker
 from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
 from ._phases import SPECIAL as _SPECIAL_PHASE
@@ -111,6 +111,10 @@ class SourceLocator:
         """Source of the op being dispatched (called from Recorder.on_op)."""
         return self._walk(sys._getframe(2), self._modules.current_source)
 
+    def caller(self, depth: int) -> str:
+        """Source of the user code ``depth`` frames above the caller (an optimizer step hook: its step call)."""
+        return self._walk(sys._getframe(depth + 1), self._modules.current_source)
+
     def call_site(self) -> str:
         """Source of the module call starting now (called from the module pre-hook, before it is pushed)."""
         frame = sys._getframe(2)
@@ -160,6 +164,7 @@ class Recorder:
         self._storage_refs: dict[int, list[tuple[int, int, int]]] = {}
         # storage -> (op, first byte, end byte) of each in-place write into it
         self._writes: dict[int, list[tuple[int, int, int]]] = {}
+        self._last_write = -1  # index of the latest in-place op
         self._label_counts: dict[str, int] = {}
         self.modules = ModuleTracker(self, roots)
         self._backward_sources: dict[int, str] = {}  # autograd graph task -> where backward() was called
@@ -172,12 +177,14 @@ class Recorder:
         self.pending: tuple[int, list[Tensor]] | None = None
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
         self.phases = PhaseTracker(self)
+        self.step_source: str | None = None  # where the running optimizer.step() was called
         self.stats_on = stats is not None
         self.clock_offset_ns = time.time_ns() - _perf_ns()
 
     # -- the hot path -------------------------------------------------------------------------------------
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        info = OPINFO_CACHE.get(func) or op_info(func)
+        cached = OPINFO_CACHE.get(id(func))  # by id: OpOverload's __hash__ is Python code
+        info = cached[1] if cached is not None and cached[0] is func else op_info(func)
         if self.pending is not None:  # the previous op's outputs now have their grad_fn
             self.training.link_pending()
         tensors: list[Tensor] = []
@@ -203,7 +210,7 @@ class Recorder:
             tag = getattr(t, _TAG, None)
             if tag is not None and tag[0] == token:
                 parents[tag[1]] = None
-                if writes and (writer := self._written_since(t, tag[1])) >= 0:
+                if writes and self._last_write > tag[1] and (writer := self._written_since(t, tag[1])) >= 0:
                     # An alias of t was written in place after t was made (v = y.view(..); y.relu_(); v * 2):
                     # t's value now comes from that write, and t's producer no longer holds it.
                     parents[writer] = None
@@ -251,8 +258,8 @@ class Recorder:
         self._label_counts[info.func] = n
         if outs:
             first = outs[0]
-            dtype = dtype_name(first.dtype)
-            device = device_name(first.device)
+            dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
+            device = DEVICE_NAMES.get(first.device) or device_name(first.device)
             if len(outs) == 1:
                 out_shapes = (tuple(first.shape),)
                 out_bytes = first.nelement() * first.element_size()
@@ -283,6 +290,8 @@ class Recorder:
                 source = ""
             elif modules.current_builtin:  # inside nn.Linear & co: no user frame below its call site
                 source = modules.current_source
+            elif phase == "optimizer" and self.step_source is not None:  # every op of one step() call
+                source = self.step_source
             else:
                 source = self.locate()
         elif _grad_enabled() and in_recompute(modules.recompute_calls):
@@ -387,6 +396,7 @@ class Recorder:
         return None
 
     def _note_writes(self, index: int, written: list[Tensor]) -> None:
+        self._last_write = index
         for t in written:
             lo, hi = _byte_extent(t)
             key = storage_key(t)
@@ -534,10 +544,13 @@ class Recorder:
 def _byte_extent(t: Tensor) -> tuple[int, int]:
     """[first, end) bytes of its storage that ``t`` can touch (a superset for strided views)."""
     lo = t.storage_offset()
+    itemsize = t.element_size()
+    if t.is_contiguous():
+        n = t.numel()
+        return (lo * itemsize, (lo + n) * itemsize) if n else (0, 0)
     hi = lo + 1
     for size, stride in zip(t.shape, t.stride()):
         if size == 0:
             return 0, 0
         hi += (size - 1) * abs(stride)
-    itemsize = t.element_size()
     return lo * itemsize, hi * itemsize
