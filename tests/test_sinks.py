@@ -241,3 +241,54 @@ def test_saved_tensors_keep_the_window_values_after_later_steps(tmp_path):
         disk[momentum.index].out, then["momentum"]
     )
     assert torch.equal(disk[relu.index].grad, then["grad"])
+
+
+SIGTERM_SCRIPT = """
+import sys, time, torch, tl_dist as tl
+from pathlib import Path
+out = Path(sys.argv[1])
+
+class SlowMarker:
+    def on_window(self, trace, telemetry):
+        time.sleep(0.5)
+        (out / f"sink-{trace.step}").write_text(str(telemetry.total_flops))
+    def close(self):
+        (out / "closed").touch()
+
+tl.arm(out / "run", sinks=[SlowMarker()])
+for step in range(3):
+    with tl.capture(step=step):
+        torch.ones(4).add(1)
+with tl.capture(step=3):
+    x = torch.ones(16)
+    (out / "ready").touch()
+    while True:
+        x = x.add(1).mul(0.5)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_flushes_closed_windows_and_writes_the_open_one(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(SIGTERM_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # the slow sink still holds windows 1 and 2
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    # The windows closed before the signal reached the sink (flushed before the process ended) ...
+    assert sorted(p.name for p in tmp_path.glob("sink-*")) == ["sink-0", "sink-1", "sink-2"]
+    shards = tmp_path / "run" / "rank00000"
+    assert sorted(p.name for p in shards.iterdir()) == [f"step0000000{s}.h5" for s in range(4)]
+    # ... and the open window's post-mortem was written synchronously.
+    open_window = tl.load(shards / "step00000003.h5")
+    assert open_window.metadata["complete"] is False and open_window.metadata["end_reason"] == "SIGTERM"
+    assert tl.load(shards / "step00000002.h5").metadata["complete"] is True
