@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -351,12 +351,26 @@ class Trace:
 
         return summary(self, top=top)
 
-    def draw(self, path: str, *, format: str = "svg", depth: int | None = None) -> str:
-        """Render the op graph with graphviz, ops grouped in module clusters; modules deeper than ``depth``
-        collapse into one node. Returns the written file's path."""
+    def draw(
+        self,
+        path: str,
+        *,
+        format: str = "svg",
+        depth: int | str | None = "auto",
+        phase: str | Sequence[str] | None = None,
+        show_all: bool = False,
+    ) -> str:
+        """Render the op graph with Graphviz: ops in module clusters, input, parameter and output nodes;
+        modules deeper than ``depth`` collapse into one node (``"auto"``: when over ~300 nodes); ``phase``
+        keeps one phase's ops; bookkeeping ops (views, ``detach``, allocations) only with ``show_all``.
+        Returns the written file's path (see :func:`tl_dist.views.draw.draw`).
+
+        Example:
+            >>> trace.draw("graph.svg", phase="forward")
+        """
         from .views.draw import draw
 
-        return draw(self, path, format=format, depth=depth)
+        return draw(self, path, format=format, depth=depth, phase=phase, show_all=show_all)
 
     def log_backward(self, loss: torch.Tensor) -> Trace:
         """Run ``loss.backward()`` and record its ops (and gradients, per ``save_grads``) into this trace.
