@@ -92,3 +92,18 @@ def test_save_and_load_merged(merged, tmp_path):
     assert back.collectives.equals(merged.collectives)
     with pytest.raises(tl.ShardFormatError, match="not a merged trace"):
         tl.load_merged(next((tmp_path / "run" / "rank00000").glob("*.h5")))
+
+
+def test_draw_filters_ranks_and_steps(merged):
+    from tl_dist.merge.draw import merged_source
+
+    one = merged_source(merged, rank=1)
+    assert "cluster_s0r1_rank" in one and "cluster_s0r0_rank" not in one
+    assert "dir=none" not in one  # no other rank to join a collective to
+    assert merged_source(merged, rank=[0, 1], step=0) == merged_source(merged)
+    with pytest.raises(ValueError, match=r"rank=5: no shard for rank \[5\]; the run has \[0, 1\]"):
+        merged_source(merged, rank=5)
+    with pytest.raises(ValueError, match=r"step must be None, an int or a list of ints; got '0'"):
+        merged_source(merged, step="0")
+    with pytest.raises(ValueError, match="phase must be None"):
+        merged_source(merged, phase="fwd")

@@ -181,6 +181,13 @@ def _input_shapes(trace: Trace, i: int, param_shapes: dict[str, tuple]) -> list[
             unknown += 1
     if unknown == 0 and len(rest) == extra:
         return rest
+    # Parameters of unknown shape among the candidates: an input shares the output's leading (batch) dimension,
+    # a weight or bias rarely does (conv(x, w, b), embedding(w, ids), batch_norm(x, w, b, ...)).
+    outs = out_shapes[i]
+    batch = outs[0][0] if outs and len(outs[0]) else None
+    leading = [s for s in rest if batch is not None and len(s) and s[0] == batch]
+    if len(leading) == extra:
+        return leading
     return [None] * min(extra, len(rest))
 
 
