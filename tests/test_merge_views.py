@@ -52,7 +52,7 @@ def test_perfetto_json(merged, tmp_path):
     events = data["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert procs == {0: "rank 0", 1: "rank 1"}
-    slices = [e for e in events if e["ph"] == "X"]
+    slices = [e for e in events if e["ph"] == "X" and e["cat"] in ("compute", "collective")]
     assert len(slices) == 16
     flows = [e for e in events if e["ph"] in "stf" and e.get("cat") == "collective"]
     assert len(flows) == 8  # 4 collectives x 2 ranks
@@ -67,6 +67,9 @@ def test_perfetto_json(merged, tmp_path):
     # aligned time: the first collective's slices overlap on both ranks despite the 2 s clock shift
     ar = [s for s in slices if s["name"] == "all_reduce_1"]
     assert abs(ar[0]["ts"] - ar[1]["ts"]) < 5_000  # us
+    # rank 0 arrives 2 ms before rank 1 at each of the three matched all_reduces: its wait slices say so
+    waits = [(e["pid"], e["name"], e["dur"]) for e in events if e.get("cat") == "wait"]
+    assert waits == [(0, "wait for rank 1", 2000.0)] * 3
 
 
 @pytest.mark.needs("dot", optional=True)

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -371,6 +372,29 @@ class Trace:
         from .views.draw import draw
 
         return draw(self, path, format=format, depth=depth, phase=phase, show_all=show_all)
+
+    def to_perfetto(self, path: str | os.PathLike) -> str:
+        """Write a Chrome/Perfetto trace JSON: ops as slices on one track per phase inside their module calls'
+        slices, collectives in flight on their own track, and a counter of live activation bytes. Returns
+        ``path`` (see :mod:`tl_dist.views.perfetto`).
+
+        Example:
+            >>> trace.to_perfetto("step.json")   # open in https://ui.perfetto.dev
+        """
+        from .views.perfetto import to_perfetto
+
+        return to_perfetto(self, path)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write this trace as one HDF5 shard that ``tl.load`` and the ``tl-dist`` command read (no ``tl.arm``
+        needed); the file is replaced atomically. Returns ``path`` as a string.
+
+        Example:
+            >>> tl.trace(model, x).save("model.h5"); tl.load("model.h5")["relu_1"].out
+        """
+        from .store import write_shard
+
+        return os.fspath(write_shard(self, path, complete=bool(self.metadata.get("complete", True))))
 
     def log_backward(self, loss: torch.Tensor) -> Trace:
         """Run ``loss.backward()`` and record its ops (and gradients, per ``save_grads``) into this trace.
