@@ -101,9 +101,9 @@ def test_summary_counts_ops_outside_modules():
         y = layer(x)
         z = (y * 2).sum()
     rows = {r["address"]: r for r in module_rows(cap.trace)}
-    assert rows["(outside modules)"]["ops"] == 2  # mul, sum
+    assert rows["<top>"]["ops"] == 2  # mul, sum
     assert rows[""]["ops"] == len(cap.trace) - 2 and rows[""]["type"] == "Linear"
-    assert "(outside modules)" in cap.trace.summary()
+    assert "<top>" in cap.trace.summary()
     assert torch.equal(cap.trace["sum_1"].out, z)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -289,19 +290,37 @@ class Trace:
         table = self.module_table["address"]
         return [ModuleCall(self, r) for r, a in enumerate(table) if address is None or a == address]
 
-    def module(self, address: str) -> ModuleCall:
-        """The first call of the module at ``address``.
+    def module(self, address: str, *, call: int | None = None) -> ModuleCall:
+        """One call of the module at ``address``: ``call`` (0 is the first), or the first call when omitted,
+        with a warning saying so when the module was called more than once.
 
         Example:
             >>> trace.module("layer1.0.conv1").out.shape
+            >>> trace.module("act", call=1).out   # the second call of a module used twice
         """
+        if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
+            raise ValueError(f"call must be None or a non-negative int (which call, from 0), got {call!r}")
         calls = self.module_calls(address)
         if not calls:
             known = sorted(set(self.module_table["address"]))
             close = difflib.get_close_matches(address, known, n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyError(f"module {address!r} was not called in this trace{hint}")
-        return calls[0]
+        if call is None:
+            if len(calls) > 1:
+                warnings.warn(
+                    f"trace.module({address!r}): the module was called {len(calls)} times; returning its first "
+                    f"call (call=0). Pass call=0..{len(calls) - 1} for another, or use "
+                    f"trace.module_calls({address!r}) for all",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return calls[0]
+        if call >= len(calls):
+            raise KeyError(
+                f"module {address!r} was called {len(calls)} time(s) in this trace; call={call} is none"
+            )
+        return calls[call]
 
     # -- queries and views -----------------------------------------------------------------------------------
     def select(self, selector: Selector) -> list[Op]:

@@ -387,6 +387,12 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
     if not isinstance(tensors, bool):
         raise ValueError(f"tensors must be a bool, got {tensors!r}")
     path = Path(path)
+    if path.is_dir():
+        example = next(iter(sorted(path.glob("rank*/step*.h5"))), None)
+        raise ShardFormatError(
+            f"{path} is a directory, not a shard: merge a run's shards with tl.merge_ranks({str(path)!r})"
+            + (f", or load one shard such as {str(example)!r}" if example else "")
+        )
     with open_shard(path) as (root, metadata, failed_op, strings):
         filled: list[str] = []  # columns of fields newer than the shard's writer
         columns = read_table(root, "ops", OP_FIELDS, strings=strings, filled=filled)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..trace import Trace
 
-_OUTSIDE = "(outside modules)"
+# The one name every view gives "no module" (an op outside every module call): summaries, findings, the report.
+NO_MODULE = "<top>"
 
 
 def format_ns(ns: float) -> str:
@@ -90,7 +91,8 @@ def module_rows(trace: Trace) -> list[dict[str, Any]]:
     """One dict per module address, in order of first call: type, calls, depth and inclusive ops/time/FLOPs.
 
     A call's ops are ``[first_op, end_op)`` of the module-call table, which already includes its submodules'
-    ops; prefix sums make each call O(1). A trailing row collects the ops run outside every module.
+    ops; prefix sums make each call O(1). A trailing row, ``NO_MODULE``, collects the ops run outside every
+    module.
 
     NB: a module that calls itself (same address nested) would count the inner call's ops twice.
     """
@@ -122,7 +124,7 @@ def module_rows(trace: Trace) -> list[dict[str, Any]]:
     if outside:
         rows.append(
             {
-                "address": _OUTSIDE,
+                "address": NO_MODULE,
                 "type": "",
                 "depth": 0,
                 "calls": 0,
@@ -165,14 +167,19 @@ def summary(trace: Trace, *, top: int = 10) -> str:
     total_ns = sum(cols["duration_ns"])
     total_flops = sum(cols["flops"])
     n_calls = len(trace.module_table["address"])
+    where = ""
+    if trace.rank is not None:
+        where = f" of rank {trace.rank}" + (f"/{trace.world_size}" if trace.world_size is not None else "")
+    if trace.step is not None:
+        where += f" step {trace.step}"
     lines = [
-        f"tl_dist trace: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
+        f"tl_dist trace{where}: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
         f"{format_count(total_flops, 'FLOP')}, {len(trace.saved)} saved ops ({format_bytes(saved_bytes(trace))})"
     ]
     if trace.failed_op:
         failed = trace.failed_op
         lines.append(
-            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or '<top>'}): "
+            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or NO_MODULE}): "
             f"{failed['error']}"
         )
 
@@ -211,7 +218,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
                 (
                     str(i),
                     cols["label"][i],
-                    (cols["module"][i] or "<root>") if cols["module_call"][i] >= 0 else "-",
+                    (cols["module"][i] or "<root>") if cols["module_call"][i] >= 0 else NO_MODULE,
                     format_shape(tuple(shapes[0]) if shapes else None),
                     format_ns(durations[i]),
                     f"{share:.1f}%",
