@@ -64,6 +64,7 @@ def _cli(*args, **kwargs):
     )
 
 
+@pytest.mark.needs("dot", optional=True)
 def test_summary_and_draw_of_one_shard_show_that_shards_trace(tmp_path, capsys):
     run = _run(tmp_path)
     shard = run / "rank00001" / "step00000000.h5"

@@ -6,6 +6,7 @@ Example:
     $ tl-dist summary runs/job42/rank00001/step00000100.h5   # one shard: that rank's trace
     $ tl-dist draw runs/job42 -o job42.svg --phase backward
     $ tl-dist export runs/job42 --perfetto job42.json
+    $ tl-dist report runs/job42 -o job42.html
 
 Exit codes: 0 success, 1 findings exist (unless ``--no-fail``), 2 bad input (missing, unreadable or
 unmergeable shards; a message names the file). Output cut short by a closed pipe (``| head``) is no error.
@@ -99,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--phase", action="append", choices=PHASES, help="draw only this phase's ops (repeatable)")
     p.add_argument("--show-all", action="store_true", help="also draw views, detach, allocations, markers")
+    p = sub.add_parser("report", help="write a self-contained HTML report (needs tl_dist[report])")
+    common(p)
+    p.add_argument("-o", "--output", required=True, help="the .html file to write")
     p = sub.add_parser("export", help="export the trace")
     common(p)
     p.add_argument("--perfetto", required=True, help="Chrome/Perfetto trace JSON file to write")
@@ -131,6 +135,8 @@ def _run(args: argparse.Namespace, target: Any) -> None:
         print(f"wrote {path}")
         for note in notes:
             print(f"tl-dist: note: {note.message}", file=sys.stderr)
+    elif args.command == "report":
+        print(f"wrote {target.report(args.output)}")
     elif args.command == "export":
         print(f"wrote {target.to_perfetto(args.perfetto)}")
 

@@ -404,6 +404,17 @@ class Trace:
 
         return to_perfetto(self, path)
 
+    def report(self, path: str | os.PathLike, *, title: str | None = None) -> str:
+        """Write a self-contained HTML report of this trace (time per module and op, collectives, statistics;
+        needs the ``tl_dist[report]`` extra). Returns ``path`` (see :func:`tl_dist.report.write_report`).
+
+        Example:
+            >>> tl.trace(model, x).report("model.html")
+        """
+        from .report import write_report
+
+        return write_report(self, path, title=title)
+
     def save(self, path: str | os.PathLike) -> str:
         """Write this trace as one HDF5 shard that ``tl.load`` and the ``tl-dist`` command read (no ``tl.arm``
         needed); the file is replaced atomically. Returns ``path`` as a string.

@@ -221,6 +221,17 @@ class MergedTrace:
 
         return write_perfetto(self, path)
 
+    def report(self, path: str | os.PathLike, *, title: str | None = None) -> str:
+        """Write a self-contained HTML report of the run (overview, timeline per rank, time per module and op,
+        collectives, findings, statistics; needs the ``tl_dist[report]`` extra). Returns ``path``.
+
+        Example:
+            >>> g.report("job42.html")   # opens offline in any browser
+        """
+        from ..report import write_report
+
+        return write_report(self, path, title=title)
+
     def save(self, path: str | os.PathLike) -> str:
         """Write the merged trace as one HDF5 file (every rank's tables and the merge facts); reopen it with
         :func:`load_merged`.
