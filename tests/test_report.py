@@ -166,3 +166,23 @@ def test_64_ranks_20_steps_within_20_mb(tmp_path):
     g, _ = synthetic_run(world_size=64, steps=20)
     path = g.report(tmp_path / "big.html")
     assert Path(path).stat().st_size <= 20 * 2**20
+
+
+def test_large_run_on_disk_reads_a_sample_whole(tmp_path):
+    from tl_dist.store import write_shard
+
+    _, traces = synthetic_run(world_size=12, steps=3, layers=4, straggler=5)
+    for (step, rank), trace in traces.items():
+        folder = tmp_path / "run" / f"rank{rank:05d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_shard(trace, folder / f"step{step:08d}.h5")
+    run = Run.of(tl.merge_ranks(tmp_path / "run"))
+    # 36 windows > 32: every step of the lowest rank, the straggler and the highest rank.
+    assert run.sampled and sorted(run.full) == [(s, r) for s in range(3) for r in (0, 5, 11)]
+    rows = {r["name"]: r for r in run.modules()}
+    expected = sum(_independent_module_ns(traces[k], "layers.1")["backward"] for k in run.full)
+    assert rows["layers.1"]["backward"] == expected
+    # Op functions count every window: 4 addmm per window.
+    assert {f["func"]: f["calls"] for f in run.funcs()}["addmm"] == 4 * 36
+    text = Path(tl.report.write_report(tl.merge_ranks(tmp_path / "run"), tmp_path / "r.html")).read_text()
+    assert "Mean over 9 (step, rank) window(s) (of 36: every step of rank(s) 0, 5, 11;" in text

@@ -15,6 +15,7 @@ import heapq
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import straggler_rows, time_breakdown
@@ -60,14 +61,57 @@ def short_source(source: str) -> str:
     return f"{os.path.basename(path)}:{line}" if path else source
 
 
+def load_for_report(path: os.PathLike) -> Trace:
+    """The parts of a shard the report's module and statistics sections read (no shapes, no module stacks, no
+    tensors): a Trace whose other op columns hold their kind's empty value."""
+    from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, STAT_FIELDS
+    from ..store.codecs import read_table
+    from ..store.hdf5 import open_shard
+    from ..trace import Trace
+
+    empty = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
+    fields = tuple(f for f in OP_FIELDS if f.name in _FULL_FIELDS)
+    with open_shard(Path(path)) as (root, metadata, failed_op, strings):
+        columns = read_table(root, "ops", fields, strings=strings)
+        n = len(columns["index"])
+        for f in OP_FIELDS:
+            columns.setdefault(f.name, [empty[f.kind]] * n)
+        modules = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings)
+        collectives = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
+        stats = read_table(root, "stats", STAT_FIELDS, strings=strings) if "stats" in root else None
+    return Trace(
+        columns,
+        modules,
+        collective_table=collectives,
+        metadata=metadata,
+        failed_op=failed_op,
+        stats_table=stats,
+    )
+
+
+# What a module's time and statistics need beyond the merge's columns: the backward/optimizer links.
+_FULL_FIELDS = frozenset(
+    {"index", "label", "func", "kind", "phase", "fwd_op", "module", "module_call", "parents", "params"}
+    | {"start_ns", "duration_ns", "flops", "source", "out_bytes"}
+)
+# Windows read whole for the module and statistics sections when a merged run's shards are on disk.
+MAX_FULL_WINDOWS = 32
+
+
 @dataclass
 class Run:
-    """What a report shows, from a :class:`~tl_dist.merge.graph.MergedTrace` (:meth:`of`) or one trace."""
+    """What a report shows, from a :class:`~tl_dist.merge.graph.MergedTrace` (:meth:`of`) or one trace.
+
+    ``traces`` holds every (step, rank) window with at least the merge's columns (times, kinds, labels);
+    ``full`` the windows whose backward and optimizer links were read, for the per-module time and the
+    statistics: all of them in memory, a sample of whole steps' ranks when a large run's shards are on disk.
+    """
 
     traces: dict[tuple[int, int], Trace]
     world_size: int
     merged: MergedTrace | None = None
     offsets: dict[int, int] = field(default_factory=dict)
+    full: dict[tuple[int, int], Trace] = field(default_factory=dict)
     _rows: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     _homes: dict[tuple[int, int], list[str | None]] = field(default_factory=dict)
 
@@ -77,14 +121,42 @@ class Run:
         from ..trace import Trace
 
         if isinstance(source, MergedTrace):
-            return cls(source.traces(), source.world_size, merged=source, offsets=dict(source.offsets))
+            tables = source.tables()
+            run = cls(tables, source.world_size, merged=source, offsets=dict(source.offsets))
+            run.full = {k: t for k, t in tables.items() if isinstance(t, Trace)}
+            if len(run.full) < len(tables):
+                run.full = {k: load_for_report(tables[k].path) for k in run.sample()}
+            return run
         if isinstance(source, Trace):
             key = (
                 source.step if source.step is not None else 0,
                 source.rank if source.rank is not None else 0,
             )
-            return cls({key: source}, source.world_size or 1)
+            return cls({key: source}, source.world_size or 1, full={key: source})
         raise ValueError(f"a report is of a tl.merge_ranks result or a Trace, got {type(source).__name__}")
+
+    def sample(self) -> list[tuple[int, int]]:
+        """Every window when there are at most ``MAX_FULL_WINDOWS``; else every step of a few ranks: the lowest,
+        the one that made the others wait longest, the highest (as many as fit)."""
+        keys = sorted(self.traces)
+        if len(keys) <= MAX_FULL_WINDOWS:
+            return keys
+        ranks = self.ranks
+        picked = [ranks[0]]
+        caused: dict[int, int] = {}
+        for s in self.stragglers():
+            caused[s["rank"]] = caused.get(s["rank"], 0) + s["caused_wait_ns"]
+        if caused:
+            picked.append(max(caused, key=lambda r: (caused[r], -r)))
+        picked.append(ranks[-1])
+        fit = max(1, MAX_FULL_WINDOWS // max(len(self.steps), 1))
+        chosen = list(dict.fromkeys(picked))[:fit]
+        out = [k for k in keys if k[1] in chosen]
+        return out[:MAX_FULL_WINDOWS]
+
+    @property
+    def sampled(self) -> bool:
+        return len(self.full) < len(self.traces)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     @property
@@ -100,20 +172,19 @@ class Run:
 
     def _home_rows(self, key: tuple[int, int]) -> list[int]:
         if key not in self._rows:
-            self._rows[key] = home_calls(self.traces[key])
+            self._rows[key] = home_calls(self.full[key])
         return self._rows[key]
 
     def homes(self, key: tuple[int, int]) -> list[str | None]:
         """Per op of that shard, the address of the module it is counted in (None: outside every module)."""
         if key not in self._homes:
-            addresses = self.traces[key].module_table["address"]
+            addresses = self.full[key].module_table["address"]
             self._homes[key] = [addresses[h] if h >= 0 else None for h in self._home_rows(key)]
         return self._homes[key]
 
     def _ancestors(self, key: tuple[int, int]) -> list[tuple[str, ...]]:
         # Per op the addresses of its module and every enclosing one (the op's time counts in each).
-        trace = self.traces[key]
-        table = trace.module_table
+        table = self.full[key].module_table
         parent, addresses = table["parent"], table["address"]
         chains: dict[int, tuple[str, ...]] = {-1: ()}
         out = []
@@ -219,7 +290,7 @@ class Run:
         ops, summed over every (step, rank); the last row is the ops outside every module."""
         rows: dict[str, dict[str, Any]] = {}
         depth: dict[str, int] = {}
-        for key, t in self.items():
+        for key, t in sorted(self.full.items()):
             table = t.module_table
             for address, d in zip(table["address"], table["depth"]):
                 depth.setdefault(address, d)
@@ -249,7 +320,7 @@ class Run:
     def own_module_time(self) -> list[dict[str, Any]]:
         """Per module, ns per phase of its own ops only (submodules excluded), most time first."""
         rows: dict[str | None, dict[str, Any]] = {}
-        for key, t in self.items():
+        for key, t in sorted(self.full.items()):
             cols = t.columns
             for address, phase, dur in zip(self.homes(key), cols["phase"], cols["duration_ns"]):
                 row = rows.get(address)
@@ -287,7 +358,9 @@ class Run:
                     "rank": r,
                     "label": cols["label"][i],
                     "phase": cols["phase"][i],
-                    "module": module_name(self.homes((s, r))[i]),
+                    "module": module_name(
+                        self.homes((s, r))[i] if (s, r) in self.full else cols["module"][i] or None
+                    ),
                     "source": cols["source"][i],
                     "ns": dur,
                     "flops": cols["flops"][i],
@@ -433,7 +506,7 @@ class Run:
         series: dict[tuple[str, str], dict[int, list[float]]] = {}
         first = None
         recorded = False
-        for key, t in self.items():
+        for key, t in sorted(self.full.items()):
             st = t.stats_table
             if not st["op"]:
                 continue

@@ -245,7 +245,7 @@ class Page:
 
     def modules(self) -> str:
         run = self.run
-        shards = max(len(run.traces), 1)
+        shards = max(len(run.full), 1)
         rows = []
         for m in run.modules():
             rows.append(
@@ -314,9 +314,14 @@ class Page:
             ]
             for o in run.slowest_ops()
         ]
+        sample = ""
+        if run.sampled:
+            ranks = sorted({r for _, r in run.full})
+            sample = f" (of {len(run.traces)}: every step of rank(s) {', '.join(map(str, ranks))}; the shards are read whole for this)"
         return (
-            f'<p class="note">Mean over {shards} (step, rank) window(s). Backward ops count in their forward '
-            "op's module, optimizer ops in their parameters' module.</p>"
+            f'<p class="note">Mean over {shards} (step, rank) window(s){html.escape(sample)}. Backward ops count '
+            "in their forward op's module, optimizer ops in their parameters' module. Op functions and the "
+            "slowest ops: every window.</p>"
             + _table(header, rows, numeric={1, 2, 3, 4, 5, 6, 7})
             + self._plot("modules", figure)
             + "<h3>Per op function (all windows)</h3>"
