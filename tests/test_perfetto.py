@@ -162,3 +162,36 @@ def test_save_writes_a_shard_any_trace_can_become(step_trace, tmp_path):
     assert back.to_pandas().equals(step_trace.to_pandas())
     with pytest.raises(ValueError, match="path: folder .*nowhere does not exist"):
         step_trace.save(tmp_path / "nowhere" / "x.h5")
+
+
+def test_merged_export_has_each_ranks_module_slices_and_counter(tmp_path):
+    from tl_dist.store import write_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    for rank in (0, 1):
+        with tl.capture(save=tl.func("relu")) as cap:
+            model(torch.randn(5, 4)).sum().backward()
+        cap.trace.metadata.update(rank=rank, world_size=2, step=7)
+        (tmp_path / "run" / f"rank{rank:05d}").mkdir(parents=True)
+        write_shard(cap.trace, tmp_path / "run" / f"rank{rank:05d}" / "step00000007.h5")
+    g = tl.merge_ranks(tmp_path / "run")
+    events = _load(g.to_perfetto(tmp_path / "m.json"))
+    assert_nested(events)
+    for rank in (0, 1):
+        alone = tl.views.perfetto.trace_events(
+            tl.load(tmp_path / "run" / f"rank{rank:05d}" / "step00000007.h5")
+        )
+
+        def of(evs, ph, pid=rank):
+            return [e for e in evs if e["ph"] == ph and e["pid"] == pid]
+
+        # The same module slices and live-bytes levels as the shard's own export (the saved relu held to
+        # the end of the window), on the merged export's clock.
+        assert [e["name"] for e in of(events, "X") if e["cat"] == "module"] == [
+            e["name"] for e in of(alone, "X") if e["cat"] == "module"
+        ]
+        assert [e["args"]["bytes"] for e in of(events, "C")] == [e["args"]["bytes"] for e in of(alone, "C")]
+        assert (
+            of(alone, "C")[-1]["args"]["bytes"] == 0 and max(e["args"]["bytes"] for e in of(alone, "C")) > 0
+        )

@@ -19,9 +19,23 @@ if TYPE_CHECKING:
     from .graph import MergedTrace
 
 
+def _traces(g: MergedTrace) -> dict[tuple[int, int], Any]:
+    # The module slices need the module table and the backward/optimizer links; shards on disk are read for
+    # just those columns.
+    from ..store.hdf5 import load_columns
+    from ..trace import Trace
+
+    fields = ("label", "func", "kind", "phase", "fwd_op", "module", "module_call", "parents", "params")
+    fields += ("inplace", "start_ns", "duration_ns", "flops", "out_bytes", "source")
+    return {
+        key: t if isinstance(t, Trace) else load_columns(t.path, fields)
+        for key, t in sorted(g.tables().items())
+    }
+
+
 def perfetto_events(g: MergedTrace) -> list[dict[str, Any]]:
     """The trace events (metadata, slices, counters, flows) as dicts."""
-    traces = g.traces()
+    traces = _traces(g)
     if not traces:
         return []
     starts = [min(t.columns["start_ns"]) - g.offsets.get(r, 0) for (_, r), t in traces.items() if len(t)]

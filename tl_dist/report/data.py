@@ -15,10 +15,10 @@ import heapq
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import straggler_rows, time_breakdown
+from ..store.hdf5 import load_columns
 from ..views.graph import PHASES, home_calls
 from ..views.summary import NO_MODULE
 
@@ -61,36 +61,8 @@ def short_source(source: str) -> str:
     return f"{os.path.basename(path)}:{line}" if path else source
 
 
-def load_for_report(path: os.PathLike) -> Trace:
-    """The parts of a shard the report's module and statistics sections read (no shapes, no module stacks, no
-    tensors): a Trace whose other op columns hold their kind's empty value."""
-    from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, STAT_FIELDS
-    from ..store.codecs import read_table
-    from ..store.hdf5 import open_shard
-    from ..trace import Trace
-
-    empty = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
-    fields = tuple(f for f in OP_FIELDS if f.name in _FULL_FIELDS)
-    with open_shard(Path(path)) as (root, metadata, failed_op, strings):
-        columns = read_table(root, "ops", fields, strings=strings)
-        n = len(columns["index"])
-        for f in OP_FIELDS:
-            columns.setdefault(f.name, [empty[f.kind]] * n)
-        modules = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings)
-        collectives = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
-        stats = read_table(root, "stats", STAT_FIELDS, strings=strings) if "stats" in root else None
-    return Trace(
-        columns,
-        modules,
-        collective_table=collectives,
-        metadata=metadata,
-        failed_op=failed_op,
-        stats_table=stats,
-    )
-
-
 # What a module's time and statistics need beyond the merge's columns: the backward/optimizer links.
-_FULL_FIELDS = frozenset(
+FULL_FIELDS = frozenset(
     {"index", "label", "func", "kind", "phase", "fwd_op", "module", "module_call", "parents", "params"}
     | {"start_ns", "duration_ns", "flops", "source", "out_bytes"}
 )
@@ -125,7 +97,7 @@ class Run:
             run = cls(tables, source.world_size, merged=source, offsets=dict(source.offsets))
             run.full = {k: t for k, t in tables.items() if isinstance(t, Trace)}
             if len(run.full) < len(tables):
-                run.full = {k: load_for_report(tables[k].path) for k in run.sample()}
+                run.full = {k: load_columns(tables[k].path, FULL_FIELDS) for k in run.sample()}
             return run
         if isinstance(source, Trace):
             key = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -433,4 +433,38 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
     return trace
 
 
-__all__ = ["LazyTensors", "ShardOptions", "load", "write_shard"]
+def load_columns(path: str | os.PathLike, fields: Iterable[str]) -> Trace:
+    """A shard's trace with only the op columns named in ``fields`` read (the others hold their kind's empty
+    value), its module, collective and statistics tables, and which ops were saved (tensors read only on access,
+    as one output each): for views that read many shards and
+    need a few columns (the report's module time, a merged Perfetto export's module slices).
+
+    Raises:
+        ShardFormatError: as :func:`load`.
+    """
+    wanted = frozenset(fields) | {"index", "label"}
+    empty = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
+    with open_shard(Path(path)) as (root, metadata, failed_op, strings):
+        columns = read_table(root, "ops", tuple(f for f in OP_FIELDS if f.name in wanted), strings=strings)
+        n = len(columns["index"])
+        for f in OP_FIELDS:
+            columns.setdefault(f.name, [empty[f.kind]] * n)
+        modules = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings)
+        collectives = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
+        stats = read_table(root, "stats", STAT_FIELDS, strings=strings) if "stats" in root else None
+        # Which ops were saved (not their tensors): what a live-bytes count needs.
+        by_label = {label: i for i, label in enumerate(columns["label"])} if "saved" in root else {}
+        index = {by_label[k]: (k, 1) for k in (root["saved"] if by_label else ()) if k in by_label}
+    trace = Trace(
+        columns,
+        modules,
+        collective_table=collectives,
+        metadata=metadata,
+        failed_op=failed_op,
+        stats_table=stats,
+    )
+    trace.saved = LazyTensors(Path(path), "saved", index)
+    return trace
+
+
+__all__ = ["LazyTensors", "ShardOptions", "load", "load_columns", "write_shard"]
