@@ -422,7 +422,7 @@ class Trace:
         Example:
             >>> tl.trace(model, x).save("model.h5"); tl.load("model.h5")["relu_1"].out
         """
-        from .store import write_shard
+        from .store.writer import write_shard
 
         return os.fspath(write_shard(self, path, complete=bool(self.metadata.get("complete", True))))
 

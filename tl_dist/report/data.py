@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import straggler_rows, time_breakdown
-from ..store.hdf5 import load_columns
 from ..views.graph import PHASES, home_calls
 from ..views.summary import NO_MODULE
 
@@ -61,11 +60,6 @@ def short_source(source: str) -> str:
     return f"{os.path.basename(path)}:{line}" if path else source
 
 
-# What a module's time and statistics need beyond the merge's columns: the backward/optimizer links.
-FULL_FIELDS = frozenset(
-    {"index", "label", "func", "kind", "phase", "fwd_op", "module", "module_call", "parents", "params"}
-    | {"start_ns", "duration_ns", "flops", "source", "out_bytes"}
-)
 # Windows read whole for the module and statistics sections when a merged run's shards are on disk.
 MAX_FULL_WINDOWS = 32
 
@@ -89,17 +83,16 @@ class Run:
 
     @classmethod
     def of(cls, source: MergedTrace | Trace) -> Run:
-        from ..merge.graph import MergedTrace
-        from ..trace import Trace
-
-        if isinstance(source, MergedTrace):
+        # Told apart by what they hold (importing their classes here would close an import cycle: trace.report).
+        if hasattr(source, "joined") and hasattr(source, "tables"):
             tables = source.tables()
             run = cls(tables, source.world_size, merged=source, offsets=dict(source.offsets))
-            run.full = {k: t for k, t in tables.items() if isinstance(t, Trace)}
-            if len(run.full) < len(tables):
-                run.full = {k: load_columns(tables[k].path, FULL_FIELDS) for k in run.sample()}
+            full = {k: t for k, t in tables.items() if hasattr(t, "module_table")}
+            if len(full) < len(tables):  # shards on disk: read a sample whole
+                full = {(s, r): source.rank(r, step=s) for s, r in run.sample()}
+            run.full = full
             return run
-        if isinstance(source, Trace):
+        if hasattr(source, "columns") and hasattr(source, "module_table"):
             key = (
                 source.step if source.step is not None else 0,
                 source.rank if source.rank is not None else 0,

@@ -1,7 +1,7 @@
 """What a drawing of a trace shows: which ops get a node, which module calls collapse into one, and the
 parameter, input and output nodes around them. :mod:`.draw` turns a :class:`GraphPlan` into DOT text.
 
-Rules (``docs/drawing.md`` says the same for users):
+Rules (``docs/views.md`` says the same for users):
 
 - Each op is drawn in a module call, its *home*: a forward op in the call that ran it; a backward op in the call
   of its forward op (``fwd_op``), or, when it has none (gradient hooks, DDP's bucket copies), in its first
