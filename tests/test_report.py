@@ -13,6 +13,7 @@ from test_views import Net
 import tl_dist as tl
 from tl_dist.cli import main
 from tl_dist.report.data import Run, bus_bandwidth
+from tl_dist.views.summary import NO_MODULE
 
 pytest.importorskip("plotly", reason="the report needs the tl_dist[report] extra (plotly)")
 
@@ -56,7 +57,7 @@ def test_numbers(small_run):
         assert rows[f"layers.{k}"]["ops"] == 9 * len(traces)
     # The root holds every layer; mse_loss and the all_reduce ran outside every module.
     assert rows["<root>"]["ops"] == 36 * len(traces)
-    assert rows["<top>"]["ops"] == 2 * len(traces)
+    assert rows[NO_MODULE]["ops"] == 2 * len(traces)
     # The straggler: rank 1 arrives last at the one all_reduce of each step; rank 0 waits for it.
     strag = run.stragglers()
     assert [(s["step"], s["rank"]) for s in strag if s["caused_wait_ns"] > 0] == [(0, 1), (1, 1)]
@@ -69,7 +70,7 @@ def test_numbers(small_run):
     )
     assert c0["bytes"] == 1048576 and c0["ns"] == duration
     assert c0["busbw"] == pytest.approx(1048576 / (duration / 1e9))
-    assert c0["module"] == "<top>" and t0.columns["label"][op] == "all_reduce_1"
+    assert c0["module"] == NO_MODULE and t0.columns["label"][op] == "all_reduce_1"
     first = run.statistics()["first_nonfinite"]
     assert (first["step"], first["rank"], first["label"], first["of"], first["module"]) == (
         1,

@@ -8,7 +8,7 @@ from torch import nn
 import tl_dist as tl
 from tl_dist.schema import OP_FIELDS, field_names
 from tl_dist.views.draw import graph_source
-from tl_dist.views.summary import format_count, format_ns, module_rows
+from tl_dist.views.summary import NO_MODULE, format_count, format_ns, module_rows
 
 
 class Block(nn.Module):
@@ -101,9 +101,9 @@ def test_summary_counts_ops_outside_modules():
         y = layer(x)
         z = (y * 2).sum()
     rows = {r["address"]: r for r in module_rows(cap.trace)}
-    assert rows["<top>"]["ops"] == 2  # mul, sum
+    assert rows[NO_MODULE]["ops"] == 2  # mul, sum
     assert rows[""]["ops"] == len(cap.trace) - 2 and rows[""]["type"] == "Linear"
-    assert "<top>" in cap.trace.summary()
+    assert NO_MODULE in cap.trace.summary()
     assert torch.equal(cap.trace["sum_1"].out, z)
 
 
@@ -162,7 +162,7 @@ def test_summary_module_called_twice_and_failed_trace():
     partial = err.value.tl_trace
     # The failing mm would have been op len(partial): the ops before it were recorded, it was not.
     expected = (
-        f"failed at op {len(partial)} (mm in <top>): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+        f"failed at op {len(partial)} (mm in {NO_MODULE}): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
     )
     assert partial.summary().splitlines()[1].startswith(expected)
 
@@ -187,3 +187,19 @@ def test_summary_and_draw_of_a_loaded_shard_read_no_tensor(trace, tmp_path):
         mem = svg_groups(trace.draw(tmp_path / "mem.svg", depth=1))
         disk = svg_groups(loaded.draw(tmp_path / "disk.svg", depth=1))
         assert mem == disk
+
+
+def test_summary_of_forward_and_backward():
+    model = Net()
+    with tl.capture() as cap:
+        model(torch.randn(2, 3, 4, 4)).sum().backward()
+    t = cap.trace
+    assert {"forward", "backward"} <= set(t.columns["phase"])
+    # In the per-module table a backward op counts with the module of its forward op: only the input, the
+    # loss (a top-level sum), the seed gradient and the sum's backward are outside modules.
+    outside = [i for i in range(len(t)) if not t[i].module_stack]
+    assert [t[i].func for i in outside if t[i].phase == "backward"] == ["ones_like", "detach", "expand"]
+    assert t[outside[-4]].func == "sum"
+    rows = {r["address"]: r for r in module_rows(t)}
+    assert rows[NO_MODULE]["ops"] == len(outside)
+    assert rows[""]["ops"] == len(t) - len(outside)

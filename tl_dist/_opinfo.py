@@ -76,14 +76,14 @@ class OpInfo:
         self.counter_key = self.func
 
 
-_CACHE: dict[Any, OpInfo] = {}
+OPINFO_CACHE: dict[Any, OpInfo] = {}
 
 
 def op_info(op: Any) -> OpInfo:
     """The cached :class:`OpInfo` of ``op``."""
-    info = _CACHE.get(op)
+    info = OPINFO_CACHE.get(op)
     if info is None:
-        info = _CACHE[op] = OpInfo(op)
+        info = OPINFO_CACHE[op] = OpInfo(op)
     return info
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from .errors import SchemaError
+from .errors import SchemaError, TlDistError
 from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .selectors import Selector
 
@@ -437,12 +437,21 @@ class Trace:
             >>> trace.log_backward(loss_fn(trace.output, y))
             >>> trace["relu_2"].grad
         """
-        from .training import log_backward
+        if self._recorder is None:
+            raise TlDistError(
+                "log_backward needs a trace recorded in this process by tl.trace or tl.capture; "
+                "a trace loaded from a shard cannot run backward"
+            )
+        for name, table in self._recorder.log_backward(loss).items():
+            setattr(self, name, table)
+        self._labels = None
+        self._children = None
+        return self
 
-        return log_backward(self, loss)
-
-    def first_nonfinite(self) -> Op | None:
-        """The first op, in execution order, whose output or gradient held NaN or Inf (None if none did).
+    def first_nonfinite(self, *, forward_inf: bool = False) -> Op | None:
+        """The first op, in the order values were computed, whose output or gradient held a non-finite value
+        (None if none did): NaN anywhere, +-Inf in gradients, and +-Inf in forward values only with
+        ``forward_inf=True`` (attention masks fill scores with -inf on purpose).
 
         Uses the ``stats=`` table; without it, the saved outputs and gradients. The op's ``.module`` and
         ``.source`` say where it ran.
@@ -454,7 +463,10 @@ class Trace:
         """
         from .training import first_nonfinite
 
-        return first_nonfinite(self)
+        if not isinstance(forward_inf, bool):
+            raise ValueError(f"forward_inf must be a bool, got {forward_inf!r}")
+        index = first_nonfinite(self, forward_inf=forward_inf)
+        return None if index is None else Op(self, index)
 
     def validate(self, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5) -> Any:
         """Re-execute every saved op from its parents' saved outputs and check it reproduces its saved output."""

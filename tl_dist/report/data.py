@@ -48,7 +48,7 @@ def bus_bandwidth(func: str, nbytes: int, duration_ns: int, group_size: int) -> 
 
 
 def module_name(address: str | None) -> str:
-    """The report's name of a module address: ``<root>`` for the root, ``<top>`` outside every module."""
+    """The report's name of a module address: ``<root>`` for the root, ``NO_MODULE`` outside every module."""
     if address is None:
         return NO_MODULE
     return address or "<root>"
