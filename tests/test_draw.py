@@ -239,7 +239,7 @@ def test_phase_filter_and_backward_ops_in_their_forward_ops_cluster(step_trace):
     assert home["threshold_backward_1"] == home["relu_1"] == _row(t, "1")
     forward = plan_graph(t, phases=frozenset({"forward"}))
     labels = {t.columns["label"][int(n[2:])] for n, node in forward.nodes.items() if node.kind == "op"}
-    assert labels == {"addmm_1", "relu_1", "addmm_2", "sum_1", "ones_like_1"}
+    assert labels == {"addmm_1", "relu_1", "addmm_2", "sum_1"}  # the seed gradient (ones_like) is backward
     optimizer = plan_graph(t, phases=frozenset({"optimizer"}))
     p0, p2 = f"p{_row(t, '0')}", f"p{_row(t, '2')}"
     assert _edges(t, optimizer) == {
@@ -262,7 +262,7 @@ def test_rejects_bad_depth(net_trace, tmp_path, depth):
 @pytest.mark.parametrize("phase", ["fwd", ["forward", "bwd"], [], 3])
 def test_rejects_bad_phase(net_trace, tmp_path, phase):
     with pytest.raises(
-        ValueError, match=r"phase must be None, one of \('forward', 'backward', 'optimizer'\)"
+        ValueError, match=r"phase must be None, one of \('forward', 'backward', 'optimizer', 'recompute'\)"
     ):
         net_trace.draw(tmp_path / "g.svg", phase=phase)
 

@@ -161,9 +161,7 @@ def test_summary_module_called_twice_and_failed_trace():
         tl.trace(Boom(), torch.randn(3, 4))
     partial = err.value.tl_trace
     # The failing mm would have been op len(partial): the ops before it were recorded, it was not.
-    expected = (
-        f"failed at op {len(partial)} (mm in {NO_MODULE}): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
-    )
+    expected = f"failed at op {len(partial)} (mm in {NO_MODULE}): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
     assert partial.summary().splitlines()[1].startswith(expected)
 
 

@@ -15,7 +15,7 @@ from ..views.summary import format_bytes, format_count, format_ns
 from .data import Run, short_source
 
 _COLOURS = {"compute": "#4e79a7", "comm": "#f28e2b", "wait": "#e15759"}
-_PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "optimizer": "#76b7b2"}
+_PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "optimizer": "#76b7b2", "recompute": "#59a14f"}
 _CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0; color: #222; }
 header { background: #1f4e79; color: #fff; padding: 14px 24px; }
@@ -261,9 +261,7 @@ class Page:
         header = [
             "module (its submodules included)",
             "ops",
-            "forward",
-            "backward",
-            "optimizer",
+            *PHASES,
             "total",
             "FLOPs",
             "FLOP/s",
@@ -322,7 +320,7 @@ class Page:
             f'<p class="note">Mean over {shards} (step, rank) window(s){html.escape(sample)}. Backward ops count '
             "in their forward op's module, optimizer ops in their parameters' module. Op functions and the "
             "slowest ops: every window.</p>"
-            + _table(header, rows, numeric={1, 2, 3, 4, 5, 6, 7})
+            + _table(header, rows, numeric=set(range(1, len(header))))
             + self._plot("modules", figure)
             + "<h3>Per op function (all windows)</h3>"
             + _table(["func", "kind", "calls", "time", "FLOPs", "FLOP/s"], func_rows, numeric={2, 3, 4, 5})

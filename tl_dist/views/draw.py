@@ -32,8 +32,8 @@ _KIND_COLOURS = {
     "factory": "#e3f1dc",
     "other": "#ffffff",
 }
-_PHASE_BORDER = {"forward": "#555555", "backward": "#b35900", "optimizer": "#6a1b9a"}
-_BORDER_NAMES = {"backward": "orange", "optimizer": "purple"}
+_PHASE_BORDER = {"forward": "#555555", "backward": "#b35900", "optimizer": "#6a1b9a", "recompute": "#2e7d32"}
+_BORDER_NAMES = {"backward": "orange", "optimizer": "purple", "recompute": "green"}
 _NODE_STYLE = {
     "module": 'shape=box3d fillcolor="#f3e3f7"',
     "params": 'shape=note fillcolor="#fff8dc" fontsize=9',
@@ -108,7 +108,7 @@ def dot_document(name: str, body: list[str], note: str, *, newrank: bool, phases
     border colours of the ``phases`` drawn other than forward."""
     graph = '  graph [rankdir=TB fontname="Helvetica" fontsize=11 nodesep=0.15 ranksep=0.35'
     graph += " newrank=true" if newrank else ""
-    legend = [f"{_BORDER_NAMES[p]} border: {p} op" for p in ("backward", "optimizer") if p in phases]
+    legend = [f"{colour} border: {p} op" for p, colour in _BORDER_NAMES.items() if p in phases]
     title = "\n".join(([note] if note else []) + ([", ".join(legend)] if legend else []))
     if title:
         graph += f" label={quote(title)} labelloc=t"

@@ -24,16 +24,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._phases import PHASES
 from .summary import format_count, format_ns, format_shape
 
 if TYPE_CHECKING:
     from ..trace import Trace
 
-PHASES = ("forward", "backward", "optimizer")
 # Above this many nodes dot's pictures stop fitting a screen (and its layout takes minutes).
 AUTO_NODE_LIMIT = 300
 _ALLOCATION = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_"})
-_PHASE_TAG = {"backward": "bwd", "optimizer": "opt", "forward": "fwd"}
+_PHASE_TAG = {"backward": "bwd", "optimizer": "opt", "forward": "fwd", "recompute": "rec"}
 
 
 def is_bookkeeping(func: str, aten: str, kind: str) -> bool:
@@ -311,7 +311,7 @@ def plan_graph(
     for row in sorted(members):
         ops = members[row]
         by_phase = {p: sum(1 for i in ops if phase_col[i] == p) for p in PHASES}
-        split = [f"{n} {_PHASE_TAG[p]}" for p, n in by_phase.items() if n]
+        split = [f"{n} {_PHASE_TAG.get(p, p)}" for p, n in by_phase.items() if n]
         count = f"{len(ops)} ops" + (f" ({', '.join(split)})" if len(split) > 1 else "")
         outs = [op for op in table["out_ops"][row] if op >= 0]
         shapes = out_shapes[outs[0]] if outs else ()

@@ -3,7 +3,7 @@ export repeats for every rank.
 
 Tracks of one process:
 
-- ``forward`` / ``backward`` / ``optimizer``: every op as a complete ("X") slice, inside slices of the module
+- ``forward`` / ``backward`` / ``optimizer`` / ``recompute``: every op as a complete ("X") slice, inside slices of the module
   calls it ran in, nested by depth. A run of consecutive ops drawn in the same module call (see
   :func:`tl_dist.views.graph.home_calls`: backward ops belong to their forward op's call, optimizer ops to their
   parameters' module) is one slice, so slices nest by construction.
@@ -28,13 +28,13 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .graph import home_calls
+from .graph import PHASES, home_calls
 
 if TYPE_CHECKING:
     from ..trace import Trace
 
-PHASE_TID = {"forward": 1, "backward": 2, "optimizer": 3}
-OTHER_TID = 4
+PHASE_TID = {phase: tid for tid, phase in enumerate(PHASES, 1)}
+OTHER_TID = len(PHASES) + 1
 COMM_TID = 10  # first lane of collectives in flight; lane k is COMM_TID + k
 COUNTER = "live activation bytes"
 

@@ -145,8 +145,13 @@ def summary(trace: Trace, *, top: int = 10) -> str:
     total_ns = sum(cols["duration_ns"])
     total_flops = sum(cols["flops"])
     n_calls = len(trace.module_table["address"])
+    where = ""
+    if trace.rank is not None:
+        where = f" of rank {trace.rank}" + (f"/{trace.world_size}" if trace.world_size is not None else "")
+    if trace.step is not None:
+        where += f" step {trace.step}"
     lines = [
-        f"tl_dist trace: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
+        f"tl_dist trace{where}: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
         f"{format_count(total_flops, 'FLOP')}, {len(trace.saved)} saved ops ({format_bytes(saved_bytes(trace))})"
     ]
     if trace.failed_op:
