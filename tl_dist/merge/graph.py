@@ -185,16 +185,30 @@ class MergedTrace:
 
         return summary(self)
 
-    def draw(self, path: str, *, format: str = "svg", depth: int | None = 1) -> str:
-        """Render one cluster per rank (modules deeper than ``depth`` collapsed) with collectives joined
-        across clusters. Returns the written file's path.
+    def draw(
+        self,
+        path: str,
+        *,
+        format: str = "svg",
+        depth: int | str | None = "auto",
+        rank: int | Sequence[int] | None = None,
+        step: int | Sequence[int] | None = None,
+        phase: str | Sequence[str] | None = None,
+        show_all: bool = False,
+    ) -> str:
+        """Render one cluster per (step, rank), each drawn as ``trace.draw`` draws one trace, with collectives
+        joined across clusters. ``rank`` and ``step`` pick the shards drawn (an int or a list); ``depth``,
+        ``phase`` and ``show_all`` as in :func:`tl_dist.views.draw.draw` (``"auto"`` counts the nodes of all
+        drawn shards together). Returns the written file's path.
 
         Example:
-            >>> g.draw("job42.svg")
+            >>> g.draw("job42.svg", step=100, phase="backward")
         """
         from .draw import draw
 
-        return draw(self, path, format=format, depth=depth)
+        return draw(
+            self, path, format=format, depth=depth, rank=rank, step=step, phase=phase, show_all=show_all
+        )
 
     def to_perfetto(self, path: str) -> str:
         """Write a Chrome/Perfetto trace JSON: one process per rank, ops as slices on aligned time, joined
@@ -206,6 +220,17 @@ class MergedTrace:
         from .perfetto import write_perfetto
 
         return write_perfetto(self, path)
+
+    def report(self, path: str | os.PathLike, *, title: str | None = None) -> str:
+        """Write a self-contained HTML report of the run (overview, timeline per rank, time per module and op,
+        collectives, findings, statistics; needs the ``tl_dist[report]`` extra). Returns ``path``.
+
+        Example:
+            >>> g.report("job42.html")   # opens offline in any browser
+        """
+        from ..report import write_report
+
+        return write_report(self, path, title=title)
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the merged trace as one HDF5 file (every rank's tables and the merge facts); reopen it with

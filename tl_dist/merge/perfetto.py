@@ -1,66 +1,71 @@
 """Chrome / Perfetto trace JSON of a merged trace (the "JSON Array/Object format" both UIs load).
 
-One process per rank (``pid`` = rank), one thread per phase (forward, backward, optimizer), every op as a
-complete ("X") slice on aligned time in microseconds. Each joined collective is a flow: a start event on the
-first member to arrive, steps on the others, bound to the collective's slice on each rank so the UI draws arrows
-between the ranks.
+One process per rank (``pid`` = rank) with the tracks of a one-trace export (``tl_dist.views.perfetto``: a
+track per phase with module slices around the ops, collectives in flight with the time this rank waited for
+the last member as a ``wait`` slice inside, a live activation bytes counter), every step on aligned time in
+microseconds. Each joined collective is a flow: a start event on the first member to arrive, steps on the
+others, bound to the collective's slice on each rank so the UI draws arrows between the ranks.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import TYPE_CHECKING, Any
 
+from ..views.perfetto import OTHER_TID, PHASE_TID, process_events, thread_names, write_events
+
 if TYPE_CHECKING:
+    import os
+
     from .graph import MergedTrace
 
-_PHASE_TID = {"forward": 1, "backward": 2, "optimizer": 3}
+
+def _traces(g: MergedTrace) -> dict[tuple[int, int], Any]:
+    # The module slices need the module table and the backward/optimizer links; shards on disk are read for
+    # just those columns.
+    from ..store.hdf5 import load_columns
+    from ..trace import Trace
+
+    fields = ("label", "func", "kind", "phase", "fwd_op", "module", "module_call", "parents", "params")
+    fields += ("inplace", "start_ns", "duration_ns", "flops", "out_bytes", "source")
+    return {
+        key: t if isinstance(t, Trace) else load_columns(t.path, fields)
+        for key, t in sorted(g.tables().items())
+    }
 
 
 def perfetto_events(g: MergedTrace) -> list[dict[str, Any]]:
-    """The trace events (metadata, slices, flows) as dicts."""
-    traces = g.tables()
+    """The trace events (metadata, slices, counters, flows) as dicts."""
+    traces = _traces(g)
     if not traces:
         return []
-    base = (
-        min(min(t.columns["start_ns"]) - g.offsets.get(r, 0) for (_, r), t in traces.items() if len(t))
-        if any(len(t) for t in traces.values())
-        else 0
-    )
+    starts = [min(t.columns["start_ns"]) - g.offsets.get(r, 0) for (_, r), t in traces.items() if len(t)]
+    base = min(starts) if starts else 0
+    waits: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+    for j, t in zip(g.joined, g.timings):
+        for rank, e in j.entries.items():
+            waits.setdefault((j.step, rank), {})[e.op] = (t["waits"].get(rank, 0), t["last_rank"])
     events: list[dict[str, Any]] = []
+    lanes: dict[int, int] = {}
+    for (step, rank), trace in sorted(traces.items()):
+        body, n_lanes = process_events(
+            trace,
+            pid=rank,
+            base_ns=base + g.offsets.get(rank, 0),
+            waits=waits.get((step, rank)),
+            args={"step": step},
+        )
+        events.extend(body)
+        lanes[rank] = max(lanes.get(rank, 0), n_lanes)
+    meta: list[dict[str, Any]] = []
     for rank in g.ranks:
-        events.append(
+        meta.append(
             {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
         )
-        events.append(
+        meta.append(
             {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
         )
-        for phase, tid in _PHASE_TID.items():
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": phase}}
-            )
-    for (step, rank), trace in sorted(traces.items()):
-        cols = trace.columns
-        off = g.offsets.get(rank, 0) + base
-        for i in range(len(trace)):
-            events.append(
-                {
-                    "ph": "X",
-                    "name": cols["label"][i],
-                    "cat": cols["kind"][i],
-                    "pid": rank,
-                    "tid": _PHASE_TID.get(cols["phase"][i], 4),
-                    "ts": (cols["start_ns"][i] - off) / 1e3,
-                    "dur": max(cols["duration_ns"][i], 1) / 1e3,
-                    "args": {
-                        "step": step,
-                        "module": cols["module"][i],
-                        "func": cols["func"][i],
-                        "flops": cols["flops"][i],
-                    },
-                }
-            )
+        meta.extend(thread_names(rank, lanes.get(rank, 0)))
+    events = meta + events
     for n, (j, t) in enumerate(zip(g.joined, g.timings)):
         if len(j.entries) < 2:
             continue
@@ -75,7 +80,9 @@ def perfetto_events(g: MergedTrace) -> list[dict[str, Any]]:
                 "name": f"{j.func} seq {j.seq}",
                 "cat": "collective",
                 "pid": rank,
-                "tid": _PHASE_TID.get(trace.columns["phase"][e.op], 4) if 0 <= e.op < len(trace) else 4,
+                "tid": PHASE_TID.get(trace.columns["phase"][e.op], OTHER_TID)
+                if 0 <= e.op < len(trace)
+                else OTHER_TID,
                 # Inside the op's slice, so the flow binds to it.
                 "ts": (start - g.offsets.get(rank, 0) - base) / 1e3 + 0.0005,
                 "args": {"verdict": j.verdict, "skew_us": t["skew_ns"] / 1e3},
@@ -88,7 +95,4 @@ def perfetto_events(g: MergedTrace) -> list[dict[str, Any]]:
 
 def write_perfetto(g: MergedTrace, path: str | os.PathLike) -> str:
     """Write :func:`perfetto_events` as ``{"traceEvents": [...]}`` to ``path``; returns the path."""
-    events = perfetto_events(g)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
-    return os.fspath(path)
+    return write_events(perfetto_events(g), path)

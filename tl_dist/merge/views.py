@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..schema import OP_FIELDS
+from ..views.summary import NO_MODULE
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -121,7 +122,7 @@ def summary(g: MergedTrace) -> str:
                     lines.append(
                         f"      rank {r}: did not issue it"
                         + (
-                            f"; last op {last} in {w.get('last_module') or '<top>'} ({w.get('last_source')})"
+                            f"; last op {last} in {w.get('last_module') or NO_MODULE} ({w.get('last_source')})"
                             if last
                             else ""
                         )
@@ -129,7 +130,7 @@ def summary(g: MergedTrace) -> str:
                 else:
                     lines.append(
                         f"      rank {r}: {w['label']} seq {w['seq']} {w['state']} in "
-                        f"{w['module'] or '<top>'} ({w['source'] or 'no source'})"
+                        f"{w['module'] or NO_MODULE} ({w['source'] or 'no source'})"
                     )
     else:
         lines.append("no findings: every collective matched on every rank")

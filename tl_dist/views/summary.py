@@ -14,6 +14,9 @@ from ..telemetry import OUTSIDE
 if TYPE_CHECKING:
     from ..trace import Trace
 
+# The one name every view gives "no module" (an op outside every module call): summaries, findings, the report.
+NO_MODULE = OUTSIDE
+
 
 def format_ns(ns: float) -> str:
     """A duration in the largest unit that keeps it >= 1: ``1.50 ms``, ``820.0 us``, ``95 ns``."""
@@ -142,14 +145,19 @@ def summary(trace: Trace, *, top: int = 10) -> str:
     total_ns = sum(cols["duration_ns"])
     total_flops = sum(cols["flops"])
     n_calls = len(trace.module_table["address"])
+    where = ""
+    if trace.rank is not None:
+        where = f" of rank {trace.rank}" + (f"/{trace.world_size}" if trace.world_size is not None else "")
+    if trace.step is not None:
+        where += f" step {trace.step}"
     lines = [
-        f"tl_dist trace: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
+        f"tl_dist trace{where}: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
         f"{format_count(total_flops, 'FLOP')}, {len(trace.saved)} saved ops ({format_bytes(saved_bytes(trace))})"
     ]
     if trace.failed_op:
         failed = trace.failed_op
         lines.append(
-            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or '<top>'}): "
+            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or NO_MODULE}): "
             f"{failed['error']}"
         )
 
@@ -188,7 +196,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
                 (
                     str(i),
                     cols["label"][i],
-                    (cols["module"][i] or "<root>") if cols["module_stack"][i] else "-",
+                    (cols["module"][i] or "<root>") if cols["module_stack"][i] else NO_MODULE,
                     format_shape(tuple(shapes[0]) if shapes else None),
                     format_ns(durations[i]),
                     f"{share:.1f}%",
