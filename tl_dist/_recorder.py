@@ -487,6 +487,7 @@ class Recorder:
             "func": info.func,
             "aten": info.aten,
             "module": modules.current_address,
+            "module_stack": list(modules.address_stack),
             "source": self.locate() if self.locate is not None else "",
             "error": f"{type(exc).__name__}: {exc}",
         }

@@ -21,6 +21,7 @@ from ._common import storage_key
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .errors import TlDistError
 from .options import CaptureOptions, check_options
+from .telemetry import module_name
 from .trace import Trace
 
 _OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph")
@@ -129,11 +130,7 @@ class Capture:
             exc.tl_trace = self.trace
             if hasattr(exc, "add_note"):
                 where = recorder.failed_op
-                at = (
-                    f" at {where['func']} in {where['module'] or '<top>'} ({where['source']})"
-                    if where
-                    else ""
-                )
+                at = f" at {where['func']} in {module_name(where)} ({where['source']})" if where else ""
                 exc.add_note(
                     f"tl_dist: {len(self.trace)} ops captured before the error{at}; see exc.tl_trace"
                 )

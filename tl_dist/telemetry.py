@@ -38,6 +38,16 @@ if TYPE_CHECKING:
 OUTSIDE = "(outside modules)"
 """The module name of ops that ran outside every module call (a loss computed at top level, the optimizer)."""
 
+
+def module_name(op: Any) -> str:
+    """How views name an op's module (an op, a failed-op record or a row with ``module``/``module_stack``):
+    its address, ``<root>`` for the root module, :data:`OUTSIDE` outside every module."""
+    get = op.get if isinstance(op, dict) else lambda k, d=None: getattr(op, k, d)
+    if not get("module_stack", None):
+        return get("module", "") or OUTSIDE
+    return get("module", "") or "<root>"
+
+
 # Dense peak FLOP/s by (device name fragment, dtype) from the vendors' data sheets (no sparsity). The first
 # fragment contained in torch.cuda.get_device_name() wins, so more specific names come first. float32 matmuls
 # use TF32 tensor cores when torch.backends.cuda.matmul.allow_tf32 is set ("tf32").
