@@ -186,15 +186,13 @@ class OtelSink:
         """Export one window (on tl_dist's sink worker thread)."""
         if self._closed:
             return
-        with quiet() as messages:
+        with quiet(self._trouble):  # e.g. "Queue full, dropping spans": reported once, not logged per span
             if not self._ready:
                 self._setup(trace.metadata)
             if self._window_spans is not None:
                 self._window_spans.emit(trace, telemetry)
             if self._window_metrics is not None:
                 self._window_metrics.record(trace, telemetry)
-        if messages:  # e.g. "Queue full, dropping spans": the batch processor is behind the windows
-            self._trouble.report(messages[0])
 
     def _setup(self, metadata: Mapping[str, Any]) -> None:
         """Build the providers this sink owns (their resource needs the rank and run id of a window)."""
@@ -226,7 +224,7 @@ class OtelSink:
         if self._closed:
             return
         self._closed = True
-        if self._owned and not shutdown_within(self._owned, CLOSE_TIMEOUT_S):
+        if self._owned and not shutdown_within(self._owned, CLOSE_TIMEOUT_S, self._trouble):
             for exporter in self._guarded:
                 exporter.abort()
             self._trouble.report(

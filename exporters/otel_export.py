@@ -71,22 +71,23 @@ class Trouble:
                 "tl_dist: %s: OpenTelemetry export problem: %s. Training is not affected; further problems "
                 "are counted in the sink's .stats, not logged.",
                 self.sink_name,
-                problem,
+                problem.rstrip("."),
             )
 
 
 class _QuietFilter(logging.Filter):
-    """Drops records logged on a thread inside :func:`quiet`, keeping the warnings' text for the caller."""
+    """Drops records logged on a thread inside :func:`quiet`; reports the warnings to that quiet's Trouble."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        messages = getattr(_local, "messages", None)
-        if messages is None:
+        trouble = getattr(_local, "trouble", None)
+        if trouble is None:
             return True
         if record.levelno >= logging.WARNING:
             try:
-                messages.append(record.getMessage())
+                message = record.getMessage()
             except Exception:  # noqa: BLE001 - a malformed record must not break the export thread
-                messages.append(str(record.msg))
+                message = str(record.msg)
+            trouble.report(message)
         return False
 
 
@@ -111,16 +112,15 @@ def _install_filter() -> None:
 
 
 @contextlib.contextmanager
-def quiet() -> Iterator[list[str]]:
-    """Within: the SDK's log records on this thread are dropped; yields the warnings' messages."""
+def quiet(trouble: Trouble) -> Iterator[None]:
+    """Within: the SDK's log records on this thread are dropped, their warnings reported to ``trouble``."""
     _install_filter()
-    previous = getattr(_local, "messages", None)
-    messages: list[str] = []
-    _local.messages = messages
+    previous = getattr(_local, "trouble", None)
+    _local.trouble = trouble
     try:
-        yield messages
+        yield
     finally:
-        _local.messages = previous
+        _local.trouble = previous
 
 
 class GuardedSpanExporter(SpanExporter):
@@ -131,18 +131,21 @@ class GuardedSpanExporter(SpanExporter):
         self.trouble = trouble
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        problem = None
-        with quiet() as messages:
+        with quiet(self.trouble):
             try:
                 result = self.inner.export(spans)
+                problem = "the spans exporter reported a failed batch"
             except Exception as exc:  # noqa: BLE001 - on the SDK's export thread: report, never raise
-                result, problem = SpanExportResult.FAILURE, f"{type(exc).__name__}: {exc}"
+                result, problem = (
+                    SpanExportResult.FAILURE,
+                    f"exporting spans raised {type(exc).__name__}: {exc}",
+                )
         if result is not SpanExportResult.SUCCESS:
-            self.trouble.report(problem or _last(messages, "spans"), signal="spans")
+            self.trouble.report(problem, signal="spans")
         return result
 
     def shutdown(self) -> None:
-        with quiet():
+        with quiet(self.trouble):
             self.inner.shutdown()
 
     def abort(self) -> None:
@@ -165,18 +168,19 @@ class GuardedMetricExporter(MetricExporter):
         self.trouble = trouble
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
-        problem = None
-        with quiet() as messages:
+        with quiet(self.trouble):
             try:
                 result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+                problem = "the metrics exporter reported a failed batch"
             except Exception as exc:  # noqa: BLE001
-                result, problem = MetricExportResult.FAILURE, f"{type(exc).__name__}: {exc}"
+                result = MetricExportResult.FAILURE
+                problem = f"exporting metrics raised {type(exc).__name__}: {exc}"
         if result is not MetricExportResult.SUCCESS:
-            self.trouble.report(problem or _last(messages, "metrics"), signal="metrics")
+            self.trouble.report(problem, signal="metrics")
         return result
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        with quiet():
+        with quiet(self.trouble):
             self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
 
     def abort(self) -> None:
@@ -185,10 +189,6 @@ class GuardedMetricExporter(MetricExporter):
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return self.inner.force_flush(timeout_millis=timeout_millis)
-
-
-def _last(messages: list[str], signal: str) -> str:
-    return messages[-1] if messages else f"the {signal} exporter reported a failed batch"
 
 
 # -- configuration from the environment ---------------------------------------------------------------------
@@ -264,12 +264,12 @@ def build_meter_provider(
     return MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False), guarded
 
 
-def shutdown_within(providers: list[Any], timeout: float) -> bool:
+def shutdown_within(providers: list[Any], timeout: float, trouble: Trouble) -> bool:
     """Shut ``providers`` down in parallel on helper threads, waiting ``timeout`` seconds at most in all; True
     when all finished. What is left (an export to a slow collector) is abandoned on a daemon thread."""
 
     def run(provider: Any) -> None:
-        with quiet():
+        with quiet(trouble):
             try:
                 provider.shutdown()
             except Exception as exc:  # noqa: BLE001 - closing must not raise into disarm

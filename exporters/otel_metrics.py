@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from tl_dist.telemetry import StepTelemetry
     from tl_dist.trace import Trace
 
-DURATION_BUCKETS_S: tuple[float, ...] = tuple(m * 10.0**e for e in range(-6, 2) for m in (1.0, 2.0, 5.0)) + (
+# Written as decimal strings: `5 * 1e-6` would print as `4.9999999999999996e-06` in Prometheus' `le` label.
+DURATION_BUCKETS_S: tuple[float, ...] = tuple(float(f"{m}e{e}") for e in range(-6, 2) for m in (1, 2, 5)) + (
     100.0,
 )
 """Histogram boundaries of every ``*.duration`` metric: 1 µs, 2 µs, 5 µs, 10 µs, ..., 50 s, 100 s."""
