@@ -12,6 +12,7 @@ import statistics
 import time
 import urllib.request
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -549,6 +550,15 @@ def test_prometheus_scrape(world_of_one):
     assert samples["target_info"][0][0]["service_name"] == "tl_dist"
     with pytest.raises(OSError):  # shut down: nothing listens any more
         urllib.request.urlopen(prom.url, timeout=2)
+
+
+def test_docs_list_every_metric_and_its_prometheus_names():
+    text = (Path(__file__).parents[1] / "docs" / "telemetry.md").read_text()
+    for name in otel.INSTRUMENTS:
+        assert f"| `{name}` |" in text, name
+    for sample in PROMETHEUS_SAMPLES | {"tl_step_mfu"}:
+        base = re.sub(r"_(count|sum)$", "_bucket", sample)
+        assert f"`{base}`" in text, sample
 
 
 def test_prometheus_port_in_use_says_so():
