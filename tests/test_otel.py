@@ -561,6 +561,18 @@ def test_docs_list_every_metric_and_its_prometheus_names():
         assert f"`{base}`" in text, sample
 
 
+def test_two_prometheus_endpoints_in_one_process():
+    # Each on its own registry: a second endpoint (or the user's own prometheus_client metrics) does not clash.
+    first, second = start_prometheus(port=0), start_prometheus(port=0)
+    try:
+        for prom in (first, second):
+            prom.get_meter("mine").create_counter("jobs").add(1)
+            assert [v for _, v in scrape(prom.url)["jobs_total"]] == [1.0]
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
 def test_prometheus_port_in_use_says_so():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
