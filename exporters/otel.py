@@ -175,7 +175,6 @@ class OtelSink:
         self._window_spans: WindowSpans | None = None
         self._window_metrics: WindowMetrics | None = None
         self._ready = False
-        self._closed = False
 
     @property
     def stats(self) -> ExportStats:
@@ -184,8 +183,6 @@ class OtelSink:
 
     def on_window(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
         """Export one window (on tl_dist's sink worker thread)."""
-        if self._closed:
-            return
         with quiet(self._trouble):  # e.g. "Queue full, dropping spans": reported once, not logged per span
             if not self._ready:
                 self._setup(trace.metadata)
@@ -220,12 +217,20 @@ class OtelSink:
         self._ready = True
 
     def close(self) -> None:
-        """Shut down the providers this sink built, waiting ``CLOSE_TIMEOUT_S`` at most for their last export."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._owned and not shutdown_within(self._owned, CLOSE_TIMEOUT_S, self._trouble):
-            for exporter in self._guarded:
+        """Shut down the providers this sink built, waiting ``CLOSE_TIMEOUT_S`` at most for their last export.
+
+        A sink armed again afterwards builds new ones at its next window.
+        """
+        owned, guarded = self._owned, self._guarded
+        if self._trace_exporters and self.tracer_provider in owned:
+            self.tracer_provider = None
+        if self._metric_exporters and self.meter_provider in owned:
+            self.meter_provider = None
+        self._owned, self._guarded = [], []
+        self._window_spans = self._window_metrics = None
+        self._ready = False
+        if owned and not shutdown_within(owned, CLOSE_TIMEOUT_S, self._trouble):
+            for exporter in guarded:
                 exporter.abort()
             self._trouble.report(
                 f"the last export did not finish within {CLOSE_TIMEOUT_S:g} s at close; dropped"

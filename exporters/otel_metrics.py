@@ -7,6 +7,7 @@ boundaries (0 .. 10000) would put every op in the first bucket.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from tl_dist.telemetry import OUTSIDE
@@ -137,8 +138,8 @@ class WindowMetrics:
             inst["tl.nonfinite"].add(row.count, attrs)
         norm = inst["tl.tensor.norm"]
         for row in telemetry.norms:
-            if depth_of.get(row.module, 0) > deep:
-                continue
+            if depth_of.get(row.module, 0) > deep or not math.isfinite(row.norm):
+                continue  # a NaN/Inf norm is what tl.nonfinite counts (the SDK refuses non-finite gauges)
             label = module_label(row.module)
             norm.set(
                 row.norm, self._attributes(("norm", label, row.of), **{"tl.module": label, "tl.of": row.of})

@@ -227,6 +227,10 @@ def test_nonfinite_counter():
             lin.bias.zero_()
     counts = {(a["tl.module"], a["tl.of"]): p.value for a, p in mem.metrics()["tl.nonfinite"]}
     assert counts == {("1", "out"): 4, (OUTSIDE, "out"): 2}
+    # The NaN output has no norm gauge (the SDK refuses non-finite values, and would log it): '0' has one.
+    norms = {(a["tl.module"], a["tl.of"]) for a, _ in mem.metrics()["tl.tensor.norm"]}
+    assert ("0", "out") in norms and ("1", "out") not in norms
+    assert mem.sink.stats.first_problem is None
 
 
 def test_module_depth_bounds_spans_and_metrics():
@@ -427,6 +431,18 @@ def test_failed_window_step_span_is_an_error():
     assert step.status.status_code is StatusCode.ERROR
     assert "boom" in step.status.description
     assert step.attributes["tl.complete"] is False and step.attributes["tl.end_reason"] == "exception"
+
+
+def test_a_sink_armed_again_exports_again(monkeypatch):
+    with OtlpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.endpoint)
+        sink = OtelSink()
+        for step in (1, 2):
+            tl.arm(sinks=[sink])
+            train_window(make_model(), torch.randn(3, 4), step=step)
+            assert tl.disarm()
+        steps = [attributes(s.attributes)["tl.step"] for _, s in rx.spans() if s.name == "tl.step"]
+    assert sorted(steps) == [1, 2]
 
 
 def test_close_leaves_callers_providers_alone():
