@@ -192,7 +192,9 @@ class OtelSink:
                 self._window_metrics.record(trace, telemetry)
 
     def _setup(self, metadata: Mapping[str, Any]) -> None:
-        """Build the providers this sink owns (their resource needs the rank and run id of a window)."""
+        """Build the providers this sink owns (their resource needs the rank and run id of a window). Tried
+        once per arming: a failure is logged by the sink worker, and the sink exports what it could build."""
+        self._ready = True
         resource = None
         if self._trace_exporters or self._metric_exporters:
             resource = rank_resource(metadata, self.resource)
@@ -214,7 +216,6 @@ class OtelSink:
         if self.meter_provider is not None:
             meter = self.meter_provider.get_meter(SCOPE, __version__)
             self._window_metrics = WindowMetrics(meter, module_depth=self.module_depth)
-        self._ready = True
 
     def close(self) -> None:
         """Shut down the providers this sink built, waiting ``CLOSE_TIMEOUT_S`` at most for their last export.
