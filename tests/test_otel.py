@@ -242,6 +242,31 @@ def test_a_module_called_twice_has_a_span_per_call_and_phase():
     assert spans[("backward", 1)].start_time < spans[("backward", 0)].start_time
 
 
+def test_checkpoint_recomputation_counts_in_the_modules_backward_span():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x):
+            return checkpoint(self.a, x, use_reentrant=False) + self.b(x)
+
+    mem = InMemory()
+    tl.arm(sinks=[mem.sink])
+    trace = train_window(Checkpointed(), torch.randn(3, 4))
+    cols = trace.columns
+    spans = by_name(mem.spans())
+    recomputed = [i for i in range(len(trace)) if cols["phase"][i] == "recompute"]
+    assert recomputed and all(cols["module_stack"][i][1] == "a" for i in recomputed)
+    a_backward = spans["a backward"]
+    # a's backward begins by recomputing its forward, inside the engine, after b's backward began.
+    assert a_backward.start_time == cols["start_ns"][recomputed[0]]
+    assert spans["b backward"].start_time < a_backward.start_time
+    assert spans["a.lin backward"].parent.span_id == a_backward.context.span_id
+
+
 def test_op_spans():
     mem = InMemory(spans="op", module_depth=1)
     tl.arm(sinks=[mem.sink])
