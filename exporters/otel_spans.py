@@ -38,7 +38,8 @@ ROOT = "<root>"
 """How spans and metrics name the outermost module (address ``''``): Prometheus treats an empty label as none."""
 
 SPAN_PHASES = ("forward", "backward")
-"""Phases that get module spans: ``recompute`` runs inside backward, ``optimizer`` outside modules."""
+"""Phases that get module spans: ``recompute`` (checkpointing) counts in the module's backward span, where it
+runs; ``optimizer`` ops run outside modules."""
 
 
 def module_label(address: str) -> str:
@@ -239,7 +240,8 @@ class _CallSpans:
     """Which module call (at most ``module_depth`` deep) each op belongs to, and the calls' time bounds.
 
     A forward op belongs to its call; a backward op to the call of the forward op it differentiates (an
-    ``AccumulateGrad`` op, which has none, to the first call of its parameter's module). An op deeper than
+    ``AccumulateGrad`` op, which has none, to the first call of its parameter's module); a recomputed op
+    (checkpointing) to the backward of the first call of its module. An op deeper than
     ``module_depth`` counts for its ancestor at that depth; bounds then propagate to the enclosing calls, so a
     parent's span always contains its children's.
     """
@@ -264,10 +266,8 @@ class _CallSpans:
             self.first_call.setdefault(address, r)
         # phase -> call row -> [start, end, ops, flops]
         self.bounds: dict[str, dict[int, list[int]]] = {p: {} for p in SPAN_PHASES}
-        for i, (phase, start, dur, fl) in enumerate(
-            zip(cols["phase"], cols["start_ns"], cols["duration_ns"], cols["flops"])
-        ):
-            row = self.call_of(i)
+        for i, (start, dur, fl) in enumerate(zip(cols["start_ns"], cols["duration_ns"], cols["flops"])):
+            phase, row = self.call_of(i)
             if row < 0:
                 continue
             acc = self.bounds[phase].get(row)
@@ -292,23 +292,21 @@ class _CallSpans:
                     up[2] += acc[2]
                     up[3] += acc[3]
 
-    def call_of(self, i: int) -> int:
-        """The clipped module-call row op ``i`` belongs to in its phase's spans; -1 for none."""
+    def call_of(self, i: int) -> tuple[str, int]:
+        """The span phase and clipped module-call row op ``i`` belongs to; row -1 for none."""
         cols = self.cols
         phase = cols["phase"][i]
+        row = -1
         if phase == "forward":
             row = cols["module_call"][i]
-        elif phase == "backward":
+        elif phase in ("backward", "recompute"):
             fwd = cols["fwd_op"][i]
-            if fwd >= 0:
-                row = cols["module_call"][fwd] if cols["phase"][fwd] == "forward" else -1
+            if fwd >= 0 and cols["phase"][fwd] == "forward" and cols["module_call"][fwd] >= 0:
+                row = cols["module_call"][fwd]
             elif cols["module_stack"][i]:
                 row = self.first_call.get(cols["module_stack"][i][-1], -1)
-            else:
-                row = -1
-        else:
-            return -1
-        return self.clip[row] if row >= 0 else -1
+            phase = "backward"
+        return phase, self.clip[row] if row >= 0 else -1
 
     def emit(self, tracer: Any, step_ctx: Any) -> dict[tuple[str, int], Any]:
         """Start and end one span per (phase, call) with bounds; their contexts by (phase, row)."""
@@ -340,7 +338,5 @@ class _CallSpans:
 
     def context_of(self, i: int, contexts: dict, step_ctx: Any) -> Any:
         """The context of the module span op ``i`` ran under (the step's outside module spans)."""
-        row = self.call_of(i)
-        if row < 0:
-            return step_ctx
-        return contexts.get((self.cols["phase"][i], row), step_ctx)
+        phase, row = self.call_of(i)
+        return contexts.get((phase, row), step_ctx) if row >= 0 else step_ctx
