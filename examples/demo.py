@@ -1,11 +1,12 @@
 """tl_dist demo: trace a small CNN, print its summary, draw its graph, export its op table, query it.
 
-Run with ``make demo`` (or ``.venv/bin/python examples/demo.py``). Writes ``out/demo/graph.svg``,
+Run with ``make demo`` (or ``.venv/bin/python examples/demo.py [--out DIR]``). Writes ``out/demo/graph.svg``,
 ``out/demo/graph_blocks.svg`` (module calls below depth 1 collapsed) and ``out/demo/ops.csv``.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -43,6 +44,9 @@ class SmallCNN(nn.Module):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT})")
+    out = parser.parse_args().out
     torch.manual_seed(0)
     model = SmallCNN().eval()
     x = torch.randn(4, 3, 32, 32)
@@ -52,12 +56,12 @@ def main() -> None:
     print(f"{trace!r}\n")
     print(trace.summary(top=5))
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    csv = OUT / "ops.csv"
+    out.mkdir(parents=True, exist_ok=True)
+    csv = out / "ops.csv"
     trace.to_pandas().to_csv(csv, index=False)
     try:
-        graph = trace.draw(OUT / "graph.svg")
-        blocks = trace.draw(OUT / "graph_blocks.svg", depth=1)
+        graph = trace.draw(out / "graph.svg")
+        blocks = trace.draw(out / "graph_blocks.svg", depth=1)
         print(f"\nwrote {graph}, {blocks} and {csv}\n")
     except tl.MissingToolError as exc:
         print(f"\nwrote {csv}; skipped the pictures: {exc}\n")

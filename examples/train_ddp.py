@@ -7,7 +7,8 @@ Run (what ``make demo`` does):
 Every rank trains a small MLP with DistributedDataParallel for a few steps and captures every other step into
 ``runs/ddp-demo/rank{R}/step{S}.h5``. Rank 1 is made a little slower (``--straggle-ms``) so the straggler
 report has something to say. After training, rank 0 merges the shards and prints the summary and stragglers,
-and writes the global graph (SVG) and a Perfetto trace (open it in https://ui.perfetto.dev).
+and writes the global graph of the last captured step (SVG) and a Perfetto trace (open it in
+https://ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main() -> None:
         print("stragglers:")
         print(g.stragglers().to_string(index=False))
         try:
-            print(f"\nwrote {g.draw(str(out / 'merged.svg'))}")
+            print(f"\nwrote {g.draw(str(out / 'merged.svg'), step=g.steps[-1])}")
         except tl.MissingToolError as exc:
             print(f"\nskipped merged.svg: {exc}")
         print(f"wrote {g.to_perfetto(out / 'merged.perfetto.json')} (open in https://ui.perfetto.dev)")

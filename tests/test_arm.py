@@ -22,6 +22,17 @@ def _disarm_after():
     tl.disarm()
 
 
+class ListSink:
+    def __init__(self):
+        self.windows = []
+
+    def on_window(self, trace, telemetry):
+        self.windows.append((trace, telemetry))
+
+    def close(self):
+        pass
+
+
 def small_step(model, x):
     model(x).sum().backward()
 
@@ -37,6 +48,8 @@ def test_window_writes_shard_with_run_metadata(tmp_path, model):
     with tl.capture(step=7) as cap:
         small_step(model, torch.randn(3, 4))
     path = rank_dir / "step00000007.h5"
+    assert cap.trace.metadata["shard"] == str(path)
+    assert tl.flush()  # the shard writer is a sink: it writes on the sink worker thread
     assert sorted(p.name for p in rank_dir.iterdir()) == ["step00000007.h5"]
     disk = tl.load(path)
     # rank 0 of a world of 1 without a process group
@@ -56,17 +69,25 @@ def test_window_counter_names_shards_without_step(tmp_path, model):
     for _ in range(3):
         with tl.capture():
             small_step(model, torch.randn(2, 4))
+    tl.flush()
     names = sorted(p.name for p in rank_dir.iterdir())
     assert names == ["step00000000.h5", "step00000001.h5", "step00000002.h5"]
     assert [tl.load(rank_dir / n).metadata["window"] for n in names] == [0, 1, 2]
 
 
 def test_armed_defaults_apply_and_explicit_arguments_win(tmp_path, model):
-    rank_dir = tl.arm(tmp_path, save=tl.func("relu"))
+    rank_dir = tl.arm(tmp_path, options=tl.CaptureOptions(save=tl.func("relu")))
     with tl.capture(step=1):
         small_step(model, torch.randn(2, 4))
     with tl.capture(step=2, save=tl.func("addmm")):
         small_step(model, torch.randn(2, 4))
+    with tl.capture(step=3, options=tl.CaptureOptions(stats=True)):  # options replace the armed ones
+        small_step(model, torch.randn(2, 4))
+    with pytest.raises(ValueError, match="either options="):
+        tl.capture(options=tl.CaptureOptions(), save=True)
+    tl.disarm()
+    three = tl.load(rank_dir / "step00000003.h5")
+    assert not three.saved and len(three.stats_table["op"]) > 0
     one, two = tl.load(rank_dir / "step00000001.h5"), tl.load(rank_dir / "step00000002.h5")
     assert {one[i].func for i in one.saved} == {"relu"}
     assert {two[i].func for i in two.saved} == {"addmm"}
@@ -74,15 +95,17 @@ def test_armed_defaults_apply_and_explicit_arguments_win(tmp_path, model):
 
 
 def test_unarmed_capture_and_trace_write_nothing(tmp_path, model):
-    with tl.capture(step=3) as cap:
-        small_step(model, torch.randn(2, 4))
+    with pytest.warns(UserWarning, match=r"tl.capture\(step=3\): the process is not armed"):
+        with tl.capture(step=3) as cap:
+            small_step(model, torch.randn(2, 4))
     assert cap.trace.rank is None and list(tmp_path.iterdir()) == []
     rank_dir = tl.arm(tmp_path)
     tl.trace(model, torch.randn(2, 4))  # tl.trace is not an armed window
     assert list(rank_dir.iterdir()) == []
     tl.disarm()
-    with tl.capture(step=4):
-        small_step(model, torch.randn(2, 4))
+    with pytest.warns(UserWarning, match="not armed"):
+        with tl.capture(step=4):
+            small_step(model, torch.randn(2, 4))
     assert list(rank_dir.iterdir()) == []
 
 
@@ -101,12 +124,24 @@ def test_bad_arguments_name_the_argument(tmp_path):
         tl.arm(tmp_path, every=0)
     with pytest.raises(ValueError, match="every"):
         tl.arm(tmp_path, every=True)
-    with pytest.raises(ValueError, match="save"):
-        tl.arm(tmp_path, save="relu")
+    with pytest.raises(ValueError, match="save must be True"):
+        tl.CaptureOptions(save="relu")
     with pytest.raises(ValueError, match="save_grads"):
-        tl.arm(tmp_path, save_grads=1)
+        tl.CaptureOptions(save_grads=1)
     with pytest.raises(ValueError, match="stats"):
-        tl.arm(tmp_path, stats="all")
+        tl.CaptureOptions(stats="all")
+    with pytest.raises(ValueError, match="source must be a bool"):
+        tl.CaptureOptions(source=1)
+    with pytest.raises(ValueError, match="options must be a tl.CaptureOptions"):
+        tl.arm(tmp_path, options={"save": True})
+    with pytest.raises(TypeError, match="save"):
+        tl.arm(tmp_path, save=True)  # one way to say it: options=
+    with pytest.raises(ValueError, match="sinks\\[1\\]"):
+        tl.arm(tmp_path, sinks=[ListSink(), object()])
+    with pytest.raises(ValueError, match="sinks must be a list"):
+        tl.arm(tmp_path, sinks=ListSink())
+    with pytest.raises(ValueError, match="neither"):
+        tl.arm()
     with pytest.raises(ValueError, match="out_dir"):
         tl.arm(42)
     (tmp_path / "file").write_text("x")
@@ -181,7 +216,7 @@ TWO_RANKS = textwrap.dedent(
         dist.init_process_group("gloo", rank=rank, world_size=2)
         torch.manual_seed(rank)
         model = nn.Linear(4, 2)
-        tl.arm(out, save=True)
+        tl.arm(out, options=tl.CaptureOptions(save=True))
         for step in (10, 20):
             with tl.capture(step=step):
                 loss = model(torch.randn(3, 4)).sum()
@@ -230,9 +265,10 @@ def test_two_rank_gloo_run_writes_rank_shards(tmp_path):
 
 
 def test_armed_save_grads_and_stats_reach_the_shard(tmp_path, model):
-    rank_dir = tl.arm(tmp_path, save_grads=tl.func("relu"), stats=True)
+    rank_dir = tl.arm(tmp_path, options=tl.CaptureOptions(save_grads=tl.func("relu"), stats=True))
     with tl.capture(step=1) as cap:
         small_step(model, torch.randn(2, 4))
+    tl.flush()
     disk = tl.load(rank_dir / "step00000001.h5")
     relu = cap.trace["relu_1"].index
     assert list(cap.trace.grads) == [relu] and list(disk.grads) == [relu]

@@ -54,11 +54,82 @@ def test_export_draw_and_errors(tmp_path, capsys):
     assert main(["merge", str(run), "--lenient", "--no-fail"]) == 0
 
 
-def test_summary_of_one_shard_reports_the_other_ranks_missing(tmp_path, capsys):
+def _cli(*args, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "tl_dist.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )
+
+
+@pytest.mark.needs("dot", optional=True)
+def test_summary_and_draw_of_one_shard_show_that_shards_trace(tmp_path, capsys):
     run = _run(tmp_path)
-    assert main(["summary", str(run / "rank00000" / "step00000000.h5"), "--no-fail"]) == 0
+    shard = run / "rank00001" / "step00000000.h5"
+    assert main(["summary", str(shard)]) == 0
     out = capsys.readouterr().out
-    assert "1/2 ranks" in out and "missing_rank: no shard for rank 1 of 2" in out
+    # rank 1's own trace: its 2 ops (mm, all_reduce), no merge and no missing_rank finding.
+    assert out.startswith("tl_dist trace of rank 1/2 step 0: 2 ops, 0 module calls")
+    assert "missing_rank" not in out
+    assert main(["export", str(shard), "--perfetto", str(tmp_path / "one.json")]) == 0
+    events = json.loads((tmp_path / "one.json").read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X" and e["cat"] != "comm"] == ["mm_1", "all_reduce_1"]
+    if have("dot"):
+        assert main(["draw", str(shard), "-o", str(tmp_path / "one.svg")]) == 0
+        assert "all_reduce_1" in (tmp_path / "one.svg").read_text()
+    # `merge` of one shard still merges it: the other rank is missing.
+    assert main(["merge", str(shard), "--no-fail"]) == 0
+    assert "missing_rank: no shard for rank 0 of 2" in capsys.readouterr().out
+    # --step / --rank pick parts of a run; one shard has none to pick.
+    assert main(["summary", str(shard), "--rank", "1"]) == 2
+    assert "--step / --rank select part of a run directory or a merged .h5; this is one shard" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_saved_trace_is_read_by_the_cli(tmp_path, capsys):
+    import torch
+
+    import tl_dist as tl
+
+    path = tl.trace(torch.nn.Linear(3, 2), torch.randn(4, 3)).save(tmp_path / "model.h5")
+    assert main(["summary", path]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    # t (3x2) and addmm (4x2), both saved: 6 + 8 float32 = 56 bytes; the Linear's 4x3x2 matmul: 48 FLOPs.
+    assert first.startswith("tl_dist trace: 2 ops, 1 module calls, ") and first.endswith(
+        "48 FLOP, 2 saved ops (56 B)"
+    )
+
+
+def test_version_and_errors_name_flags(tmp_path):
+    proc = _cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == "tl-dist 0.1.0"
+    run = _run(tmp_path)
+    (run / "rank00001" / "step00000000.h5").unlink()
+    proc = _cli("merge", run)
+    assert proc.returncode == 2
+    assert "pass --lenient to merge the other ranks" in proc.stderr and "strict=False" not in proc.stderr
+    proc = _cli("draw", run, "-o", tmp_path / "g.svg", "--depth", "-1")
+    assert (
+        proc.returncode == 2
+        and "argument --depth: expected auto, all or a non-negative int; got '-1'" in proc.stderr
+    )
+    proc = _cli("draw", run, "-o", tmp_path / "g.svg", "--phase", "fwd")
+    assert proc.returncode == 2 and "argument --phase: invalid choice: 'fwd'" in proc.stderr
+
+
+def test_closed_pipe_exits_quietly(tmp_path):
+    run = _run(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tl_dist.cli", "summary", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # as `| head` does once it has its lines: every write now fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == ""
 
 
 def test_an_incomplete_shard_fails_the_merge(tmp_path, capsys):
@@ -93,7 +164,8 @@ def test_step_and_rank_filters(tmp_path, capsys):
     assert {e["args"]["step"] for e in events if e["ph"] == "X"} == {10}
     assert main(["export", run, "--perfetto", str(tmp_path / "all.json")]) == 0
     events = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
-    slices = sorted((e["pid"], e["args"]["step"], e["name"]) for e in events if e["ph"] == "X")
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] not in ("module", "comm", "wait")]
+    slices = sorted((e["pid"], e["args"]["step"], e["name"]) for e in ops)
     assert slices == sorted((r, s, op) for r in range(3) for s in (10, 20) for op in ("mm_1", "all_reduce_1"))
     assert main(["merge", run, "-o", str(tmp_path / "m.h5"), "--quiet"]) == 0
     capsys.readouterr()

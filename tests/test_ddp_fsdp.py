@@ -103,7 +103,9 @@ def test_fsdp2_all_gather_and_reduce_scatter(tmp_path):
         bwd = [r for r in rows if r["phase"] == "backward"]
         # Forward: one all-gather per FSDP group with parameters (model[0], model[2]); the root owns none.
         # Each gathers this rank's shard of weight+bias (16*16 + 16 = 272, 136 per rank) into 272 elements.
-        assert [r["func"] for r in fwd] == ["all_gather", "all_gather"]
+        assert [r["func"] for r in fwd] == ["all_gather", "all_gather"], [
+            (r["func"], r["phase"]) for r in rows
+        ]
         assert all((r["in_numel"], r["out_numel"]) == (136, 272) for r in fwd)
         # Backward: both groups are re-gathered (resharded after forward), then one reduce-scatter of
         # gradients per group: 272 -> this rank's 136.
@@ -112,7 +114,9 @@ def test_fsdp2_all_gather_and_reduce_scatter(tmp_path):
         rs = [r for r in bwd if r["func"] == "reduce_scatter"]
         assert len(rs) == 2 and all((r["in_numel"], r["out_numel"]) == (272, 136) for r in rs)
         assert all(r["reduce_op"] in ("sum", "avg", "premul_sum") for r in rs)
-        assert all(r["group_ranks"] == (0, 1) and r["state"] == "completed" for r in rows)
+        assert all(r["group_ranks"] == (0, 1) and r["state"] == "completed" for r in rows), [
+            (r["func"], r["phase"], r["state"], r["is_async"]) for r in rows
+        ]
         # FSDP's copy-in feeds each all-gather; its split-copy reads (a view of) the gathered buffer.
         assert all(p and set(p) & set(res["copy_ins"]) for p in res["gather_parents"])
         gathers = [r for r in rows if r["func"] == "all_gather"]

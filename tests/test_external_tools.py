@@ -1,4 +1,4 @@
-"""Tests that use an external program (Graphviz's dot, h5dump) skip, or check what they can, without it."""
+"""Tests that use an external program (Graphviz's dot, h5dump, chromium) skip, or check what they can, without it."""
 
 import os
 import subprocess
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HIDDEN = ("dot", "h5dump")
+HIDDEN = ("dot", "h5dump", "chromium")
 # Tests marked needs(..., optional=True): they must pass without the tools (DOT text checked, no picture).
 OPTIONAL = {
     "test_cli.py::test_export_draw_and_errors",
+    "test_cli.py::test_summary_and_draw_of_one_shard_show_that_shards_trace",
     "test_merge_dist.py::test_clean_run_every_kind_ddp_fsdp2",
     "test_merge_dist.py::test_train_ddp_example_under_torchrun",
     "test_merge_views.py::test_draw_joins_ranks",

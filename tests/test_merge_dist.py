@@ -261,7 +261,13 @@ def test_clean_run_every_kind_ddp_fsdp2(tmp_path):
     assert {e["pid"] for e in events if e["name"] == "process_name"} == {0, 1}
     flows = [e for e in events if e["ph"] in ("s", "t", "f")]
     assert sorted(e["ph"] for e in flows) == sorted(["s", "f"] * len(frame))
-    assert sum(1 for e in events if e["ph"] == "X") == sum(len(t) for t in g.traces().values())
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] not in ("module", "comm", "wait")]
+    assert len(ops) == sum(len(t) for t in g.traces().values())
+    # Module slices on every rank (DDP's and FSDP's wrapped modules), nested without partial overlaps.
+    assert {e["pid"] for e in events if e.get("cat") == "module"} == {0, 1}
+    from test_perfetto import assert_nested
+
+    assert_nested(events)
     from tl_dist.merge.draw import merged_source
 
     source = merged_source(g)

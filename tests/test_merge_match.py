@@ -182,7 +182,7 @@ def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
     assert shard1.message == "rank 1's window ended early: SIGTERM; it was at /job/train.py:42 in time.sleep"
     assert shard1.where[1]["last_label"] == "all_reduce_1"
     assert hang.seq == 2 and hang.message == (
-        "all_reduce seq 2 of group [0, 1] at all_reduce_2 in <top> (train.py:11): issued but never completed on "
+        "all_reduce seq 2 of group [0, 1] at all_reduce_2 in (outside modules) (train.py:11): issued but never completed on "
         "rank(s) [0]; never reached by rank(s) [1] (incomplete shard); rank 1 never reached all_reduce_2: it was "
         "at /job/train.py:42 in time.sleep; incomplete shards: rank 0 exception (RuntimeError: Timed out waiting "
         "3000ms for send operation), rank 1 SIGTERM"

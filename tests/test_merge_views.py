@@ -79,7 +79,7 @@ def test_perfetto_json(merged, tmp_path):
     events = data["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert procs == {0: "rank 0", 1: "rank 1"}
-    slices = [e for e in events if e["ph"] == "X"]
+    slices = [e for e in events if e["ph"] == "X" and e["cat"] in ("compute", "collective")]
     assert len(slices) == 16
     flows = [e for e in events if e["ph"] in "stf" and e.get("cat") == "collective"]
     assert len(flows) == 8  # 4 collectives x 2 ranks
@@ -94,6 +94,10 @@ def test_perfetto_json(merged, tmp_path):
     # aligned time: the first collective's slices overlap on both ranks despite the 2 s clock shift
     ar = [s for s in slices if s["name"] == "all_reduce_1"]
     assert abs(ar[0]["ts"] - ar[1]["ts"]) < 5_000  # us
+    # Aligned arrivals (fixture): at k=0 and k=2 rank 0 waits 3 ms - 10 us for rank 1, at k=1 rank 1 waits
+    # 1 ms + 10 us for rank 0; each within the waiting rank's collective slice (3.010 / 1.030 ms long).
+    waits = [(e["pid"], e["name"], e["dur"]) for e in events if e.get("cat") == "wait"]
+    assert waits == [(0, "wait for rank 1", 2990.0)] * 2 + [(1, "wait for rank 0", 1010.0)]
 
 
 @pytest.mark.needs("dot", optional=True)
@@ -119,3 +123,18 @@ def test_save_and_load_merged(merged, tmp_path):
     assert back.collectives.equals(merged.collectives)
     with pytest.raises(tl.ShardFormatError, match="not a merged trace"):
         tl.load_merged(next((tmp_path / "run" / "rank00000").glob("*.h5")))
+
+
+def test_draw_filters_ranks_and_steps(merged):
+    from tl_dist.merge.draw import merged_source
+
+    one = merged_source(merged, rank=1)
+    assert "cluster_s0r1_rank" in one and "cluster_s0r0_rank" not in one
+    assert "dir=none" not in one  # no other rank to join a collective to
+    assert merged_source(merged, rank=[0, 1], step=0) == merged_source(merged)
+    with pytest.raises(ValueError, match=r"rank=5: no shard for rank \[5\]; the run has \[0, 1\]"):
+        merged_source(merged, rank=5)
+    with pytest.raises(ValueError, match=r"step must be None, an int or a list of ints; got '0'"):
+        merged_source(merged, step="0")
+    with pytest.raises(ValueError, match="phase must be None"):
+        merged_source(merged, phase="fwd")

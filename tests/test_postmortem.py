@@ -33,7 +33,7 @@ class Bad(nn.Module):
 
 
 def test_exception_in_window_leaves_incomplete_shard_naming_the_op(tmp_path):
-    rank_dir = tl.arm(tmp_path, save=True)
+    rank_dir = tl.arm(tmp_path, options=tl.CaptureOptions(save=True))
     with pytest.raises(RuntimeError, match="mat1 and mat2"):
         with tl.capture(step=12):
             Bad()(torch.randn(3, 4))
@@ -166,7 +166,7 @@ WRITER_LOOP = """
     from torch import nn
     out = Path(sys.argv[1])
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
-    tl.arm(out / "run", save=True)
+    tl.arm(out / "run", options=tl.CaptureOptions(save=True))
     x = torch.randn(256, 512)
     step = 0
     while True:

@@ -162,8 +162,10 @@ def test_training_window_phases_params_and_backward_flops():
             fwd = trace.columns["fwd_op"][i]
             assert fwd >= 0 and funcs[fwd] == "convolution" and phases[fwd] == "forward"
     assert all(trace.columns["fwd_op"][i] == -1 for i in range(first_bwd))
-    # Only AccumulateGrad (parameters are leaves, produced by no op) runs unlinked: its detach of the grad.
-    unlinked = {funcs[i] for i in range(first_bwd, last_bwd + 1) if trace.columns["fwd_op"][i] < 0}
+    # Unlinked: the loss seed (ones_like and its detach, made before the engine runs) and AccumulateGrad
+    # (parameters are leaves, produced by no op): its detach of the grad.
+    assert [funcs[first_bwd], funcs[first_bwd + 1]] == ["ones_like", "detach"]
+    unlinked = {funcs[i] for i in range(first_bwd + 2, last_bwd + 1) if trace.columns["fwd_op"][i] < 0}
     assert unlinked == {"detach"}
 
 

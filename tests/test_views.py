@@ -1,7 +1,4 @@
-"""Views of a trace: summary text, Graphviz drawing (clusters, depth collapsing, errors) and to_pandas."""
-
-import re
-import xml.etree.ElementTree as ET
+"""Views of a trace: summary text and to_pandas (drawing: test_draw.py)."""
 
 import pytest
 import torch
@@ -11,10 +8,7 @@ from torch import nn
 import tl_dist as tl
 from tl_dist.schema import OP_FIELDS, field_names
 from tl_dist.views.draw import graph_source
-from tl_dist.views.summary import format_count, format_ns, module_rows
-
-needs_dot = pytest.mark.needs("dot")
-SVG = "{http://www.w3.org/2000/svg}"
+from tl_dist.views.summary import NO_MODULE, format_count, format_ns, module_rows
 
 
 class Block(nn.Module):
@@ -107,9 +101,9 @@ def test_summary_counts_ops_outside_modules():
         y = layer(x)
         z = (y * 2).sum()
     rows = {r["address"]: r for r in module_rows(cap.trace)}
-    assert rows["(outside modules)"]["ops"] == 2  # mul, sum
+    assert rows[NO_MODULE]["ops"] == 2  # mul, sum
     assert rows[""]["ops"] == len(cap.trace) - 2 and rows[""]["type"] == "Linear"
-    assert "(outside modules)" in cap.trace.summary()
+    assert NO_MODULE in cap.trace.summary()
     assert torch.equal(cap.trace["sum_1"].out, z)
 
 
@@ -117,122 +111,6 @@ def test_summary_counts_ops_outside_modules():
 def test_summary_rejects_bad_top(trace, top):
     with pytest.raises(ValueError, match="top must be a non-negative int"):
         trace.summary(top=top)
-
-
-# -- draw ----------------------------------------------------------------------------------------------------
-def _svg_groups(path):
-    root = ET.parse(path).getroot()
-    assert root.tag == SVG + "svg"
-    groups = {"node": [], "cluster": [], "edge": []}
-    for g in root.iter(SVG + "g"):
-        cls = g.get("class")
-        if cls in groups:
-            groups[cls].append(g.find(SVG + "title").text)
-    return groups
-
-
-def _nonempty_calls(trace, *, max_depth=None):
-    table = trace.module_table
-    return {
-        f"cluster_m{r}"
-        for r in range(len(table["address"]))
-        if table["first_op"][r] < table["end_op"][r] and (max_depth is None or table["depth"][r] <= max_depth)
-    }
-
-
-@needs_dot
-def test_draw_svg_has_one_node_per_op_and_a_cluster_per_module_call(trace, tmp_path):
-    path = tmp_path / "graph.out"  # any name: written as given, no extension added
-    assert trace.draw(str(path)) == str(path)
-    assert [p.name for p in tmp_path.iterdir()] == ["graph.out"]
-    groups = _svg_groups(path)
-    assert sorted(groups["node"]) == sorted(f"op{i}" for i in range(len(trace)))
-    assert set(groups["cluster"]) == _nonempty_calls(trace)
-    expected_edges = {f"op{p}->op{i}" for i in range(len(trace)) for p in trace[i].parents}
-    assert set(e.replace("&#45;", "-") for e in groups["edge"]) == expected_edges
-    text = path.read_text()
-    # Every module call's cluster is labelled with its address and type.
-    for address, mtype in zip(trace.module_table["address"], trace.module_table["type"]):
-        if address:
-            assert f"{address} ({mtype})" in text
-    assert "convolution_1" in text and "2x8x4x4" in text
-
-
-@needs_dot
-def test_draw_depth_collapses_deeper_calls(trace, tmp_path):
-    table = trace.module_table
-    depths = table["depth"]
-    full = _svg_groups(trace.draw(tmp_path / "full.svg"))
-    counts = []
-    for depth in (0, 1):
-        groups = _svg_groups(trace.draw(tmp_path / f"d{depth}.svg", depth=depth))
-        # Calls at depth + 1 with ops become one node each; ops inside them disappear.
-        collapsed = [
-            r
-            for r in range(len(depths))
-            if depths[r] == depth + 1 and table["first_op"][r] < table["end_op"][r]
-        ]
-        hidden = {i for r in collapsed for i in range(table["first_op"][r], table["end_op"][r])}
-        expected = {f"op{i}" for i in range(len(trace)) if i not in hidden} | {f"m{r}" for r in collapsed}
-        assert set(groups["node"]) == expected
-        assert set(groups["cluster"]) == _nonempty_calls(trace, max_depth=depth)
-        edges = [e.replace("&#45;", "-").split("->") for e in groups["edge"]]
-        assert all(a != b for a, b in edges)  # no self loops
-        assert len(edges) == len({tuple(e) for e in edges})  # no duplicate edges
-        counts.append(len(groups["node"]))
-    # depth 0: root cluster with stem (1 call), block and head collapsed; the root's own relu stays.
-    block = trace.module("block").row
-    relu_after_stem = trace["relu_1"].index
-    d0 = _svg_groups(tmp_path / "d0.svg")
-    assert f"m{block}" in d0["node"] and f"op{relu_after_stem}->m{block}" in [
-        e.replace("&#45;", "-") for e in d0["edge"]
-    ]
-    assert counts[0] < counts[1] < len(full["node"])
-
-
-@needs_dot
-def test_draw_other_formats(trace, tmp_path):
-    png = trace.draw(tmp_path / "g.png", format="png")
-    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    dot = trace.draw(tmp_path / "g.dot", format="dot", depth=1)
-    source = open(dot).read()
-    assert source.startswith("digraph trace {") and "cluster_m0" in source
-
-
-@pytest.mark.parametrize("depth", [-1, 1.5, True, "2"])
-def test_draw_rejects_bad_depth(trace, tmp_path, depth):
-    with pytest.raises(ValueError, match="depth must be None or a non-negative int"):
-        trace.draw(tmp_path / "g.svg", depth=depth)
-    assert not (tmp_path / "g.svg").exists()
-
-
-def test_draw_rejects_unknown_format(trace, tmp_path):
-    with pytest.raises(ValueError, match=r"format must be a Graphviz output format.*'svgg'"):
-        trace.draw(tmp_path / "g.svg", format="svgg")
-
-
-def test_draw_without_dot_says_to_install_graphviz(trace, tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no `dot` to find
-    with pytest.raises(tl.TlDistError, match="Install Graphviz"):
-        trace.draw(tmp_path / "g.svg")
-    assert not (tmp_path / "g.svg").exists()
-
-
-def test_draw_source_of_a_long_chain_of_blocks():
-    # 400 blocks of (Linear, ReLU): 1200 ops, 1201 module calls. Timing lives in benchmarks/bench_trace.py.
-
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(400)])
-    with torch.no_grad():
-        t = tl.trace(model, torch.randn(1, 4), save=None)
-    assert len(t) == 1200  # t, addmm, relu per block
-    source = graph_source(t)
-    assert source.count(" [label=") == len(t)
-    assert len(re.findall(r"subgraph cluster_m\d+", source)) == len(t.module_table["address"])
-    blocks = graph_source(t, depth=0)
-    # depth 0: the root cluster holds 400 block nodes chained by 399 edges (each block feeds the next).
-    assert len(re.findall(r"^\s+m\d+ \[label=", blocks, flags=re.M)) == 400
-    assert len(re.findall(r"^\s+m\d+ -> m\d+$", blocks, flags=re.M)) == 399
-    assert re.search(r"\bop\d+", blocks) is None  # every op folded into its block
 
 
 # -- to_pandas -----------------------------------------------------------------------------------------------
@@ -283,33 +161,8 @@ def test_summary_module_called_twice_and_failed_trace():
         tl.trace(Boom(), torch.randn(3, 4))
     partial = err.value.tl_trace
     # The failing mm would have been op len(partial): the ops before it were recorded, it was not.
-    expected = (
-        f"failed at op {len(partial)} (mm in <top>): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
-    )
+    expected = f"failed at op {len(partial)} (mm in {NO_MODULE}): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
     assert partial.summary().splitlines()[1].startswith(expected)
-
-
-@needs_dot
-def test_draw_capture_window_puts_ops_outside_modules_at_top_level(tmp_path):
-    layer = nn.Linear(4, 3)
-    with torch.no_grad(), tl.capture() as cap:
-        (layer(torch.randn(2, 4)) * 2).sum()
-    t = cap.trace
-    groups = _svg_groups(t.draw(tmp_path / "w.svg"))
-    assert sorted(groups["node"]) == sorted(f"op{i}" for i in range(len(t)))
-    assert groups["cluster"] == ["cluster_m0"]  # the Linear call
-    root = ET.parse(tmp_path / "w.svg").getroot()
-    clusters = [g for g in root.iter(SVG + "g") if g.get("class") == "cluster"]
-    # SVG clusters are drawn as boxes, not containers: check membership on the DOT side instead.
-
-    source = graph_source(t)
-    inside = source[
-        source.index("subgraph cluster_m0") : source.index("}", source.index("subgraph cluster_m0"))
-    ]
-    outside_ops = [i for i in range(len(t)) if t[i].module_call < 0]
-    assert [t[i].func for i in outside_ops] == ["randn", "mul", "sum"]
-    assert all(f"op{i} " not in inside for i in outside_ops) and f"op{t['addmm_1'].index} " in inside
-    assert len(clusters) == 1
 
 
 @pytest.mark.needs("dot", optional=True)
@@ -327,25 +180,24 @@ def test_summary_and_draw_of_a_loaded_shard_read_no_tensor(trace, tmp_path):
     assert text.splitlines()[1:] == expected.splitlines()[1:]
     assert graph_source(loaded, depth=1) == graph_source(trace, depth=1)
     if have("dot"):
-        mem = _svg_groups(trace.draw(tmp_path / "mem.svg", depth=1))
-        disk = _svg_groups(loaded.draw(tmp_path / "disk.svg", depth=1))
+        from test_draw import svg_groups
+
+        mem = svg_groups(trace.draw(tmp_path / "mem.svg", depth=1))
+        disk = svg_groups(loaded.draw(tmp_path / "disk.svg", depth=1))
         assert mem == disk
 
 
-@needs_dot
-def test_draw_and_summary_of_forward_and_backward(tmp_path):
+def test_summary_of_forward_and_backward():
     model = Net()
     with tl.capture() as cap:
         model(torch.randn(2, 3, 4, 4)).sum().backward()
     t = cap.trace
-    phases = set(t.columns["phase"])
-    assert {"forward", "backward"} <= phases
-    full = _svg_groups(t.draw(tmp_path / "fb.svg"))
-    assert sorted(full["node"]) == sorted(f"op{i}" for i in range(len(t)))
-    collapsed = _svg_groups(t.draw(tmp_path / "fb0.svg", depth=0))
-    # Backward ops run outside every module call: they stay as nodes while the forward collapses.
-    backward = [i for i in range(len(t)) if t[i].module_call < 0]
-    assert backward and all(f"op{i}" in collapsed["node"] for i in backward)
-    assert len(collapsed["node"]) < len(full["node"])
+    assert {"forward", "backward"} <= set(t.columns["phase"])
+    # In the per-module table a backward op counts with the module of its forward op: only the input, the
+    # loss (a top-level sum), the seed gradient and the sum's backward are outside modules.
+    outside = [i for i in range(len(t)) if not t[i].module_stack]
+    assert [t[i].func for i in outside if t[i].phase == "backward"] == ["ones_like", "detach", "expand"]
+    assert t[outside[-4]].func == "sum"
     rows = {r["address"]: r for r in module_rows(t)}
-    assert rows["(outside modules)"]["ops"] == len(backward)
+    assert rows[NO_MODULE]["ops"] == len(outside)
+    assert rows[""]["ops"] == len(t) - len(outside)

@@ -6,17 +6,21 @@ Example:
     >>> trace["relu_2"].out, trace.to_pandas(), trace.draw("graph.svg")
 """
 
-from .arm import arm, disarm, should_capture
+from . import telemetry
+from .arm import arm, disarm, flush, should_capture, sink_stats
 from .capture import Capture, capture, trace
 from .errors import MergeError, MissingToolError, SchemaError, ShardFormatError, TlDistError, ValidationError
 from .merge import MergedTrace, load_merged, merge_ranks
+from .options import CaptureOptions
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
+from .sinks import Sink, SinkStats
 from .store import ShardOptions, load
 from .trace import Collective, ModuleCall, Op, Trace
 
 __all__ = [
     "Capture",
+    "CaptureOptions",
     "Collective",
     "Field",
     "MODULE_CALL_FIELDS",
@@ -31,12 +35,15 @@ __all__ = [
     "Selector",
     "ShardFormatError",
     "ShardOptions",
+    "Sink",
+    "SinkStats",
     "TlDistError",
     "Trace",
     "ValidationError",
     "arm",
     "capture",
     "disarm",
+    "flush",
     "func",
     "in_module",
     "label",
@@ -45,6 +52,8 @@ __all__ = [
     "merge_ranks",
     "module",
     "should_capture",
+    "sink_stats",
+    "telemetry",
     "trace",
     "where",
 ]

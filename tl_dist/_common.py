@@ -1,13 +1,100 @@
-"""Names shared by the capture's parts. A leaf module (it imports nothing of tl_dist), so any part can use it
-without an import cycle."""
+"""Names and row helpers shared by the capture's parts (recorder, training state, collectives, module tracker).
+
+A leaf module below all of them (it imports only the schema), so any part can use it without an import cycle.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
+
+from .schema import OP_FIELDS, field_names
 
 # Attribute set on every op output during a capture: (capture token, op index, output position).
 TAG = "_tl_src"
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 OWN_DIR = os.path.dirname(__file__) + os.sep
+# Position of each schema field in a recorder row (rows are tuples in ``schema.OP_FIELDS`` order).
+FIELD_INDEX = {name: i for i, name in enumerate(field_names(OP_FIELDS))}
+
+DTYPE_NAMES: dict[torch.dtype, str] = {}
+DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (memoised: called for every op)."""
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def device_name(device: torch.device) -> str:
+    """``device(type='cuda', index=0)`` -> ``"cuda:0"`` (memoised)."""
+    name = DEVICE_NAMES.get(device)
+    if name is None:
+        name = DEVICE_NAMES[device] = str(device)
+    return name
+
+
+class RowView:
+    """Attribute access to a row under construction, for selectors evaluated while capturing."""
+
+    __slots__ = ("_row", "output_of")
+
+    def __init__(self, row: tuple, output_of: tuple[str, ...] = ()) -> None:
+        self._row = row
+        self.output_of = output_of
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._row[FIELD_INDEX[name]]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        shapes = self.out_shapes
+        return tuple(shapes[0]) if shapes else None
+
+
+def flat_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors an op returned, in the order their positions are numbered (``saved[op][pos]``, tags):
+    a tuple/list is walked one level deep (``split`` returns a list; ``_foreach`` ops lists in tuples)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat: list[torch.Tensor] = []
+    if type(out) is tuple or type(out) is list:
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                flat.append(o)
+            elif type(o) is list or type(o) is tuple:
+                flat += [p for p in o if isinstance(p, torch.Tensor)]
+    return flat
+
+
+def fill_skeleton(value: Any, tensors: list, cursor: list[int]) -> Any:
+    """Rebuild a recorded argument (an item of ``replay[op][1]`` or a value of ``replay[op][2]``) with its
+    tensor slots -- the tensors in it, in the order ``Recorder.on_op`` gathered them: top level, then one list
+    level, args before kwargs -- replaced by ``tensors[cursor[0]:]``."""
+    if isinstance(value, torch.Tensor):
+        cursor[0] += 1
+        return tensors[cursor[0] - 1]
+    if type(value) is list or type(value) is tuple:
+        return type(value)(
+            fill_skeleton(v, tensors, cursor) if isinstance(v, torch.Tensor) else v for v in value
+        )
+    return value
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
+    storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose
+    data lives in inner tensors that its own dispatch handles below the mode."""
+    storage = t.untyped_storage()
+    try:
+        return storage.data_ptr() if storage.nbytes() else None
+    except RuntimeError:
+        return None

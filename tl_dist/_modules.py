@@ -2,10 +2,19 @@
 
 Each call of a module becomes a row of the module-call table (schema.MODULE_CALL_FIELDS); the recorder reads
 ``current_call``, ``current_address`` and ``address_stack`` for every op.
+
+- The hooks are global: calls from other threads (an EMA model, an async evaluator) are ignored, except inside
+  the autograd engine, whose device threads run checkpoint recomputation on GPUs.
+- A module called while the autograd engine runs is checkpoint recomputation: its ops take the address stack
+  of the module's forward call, and no module-call row is added (the forward call already has one).
+- ``torch.compile``'d modules (``OptimizedModule``) are transparent: addresses lose the ``_orig_mod`` segment
+  and the wrapper's own call is not a module call.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -13,10 +22,40 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten
 
-from ._common import TAG
+from ._common import TAG, TORCH_DIR
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
 _LEAF_SPEC = tree_flatten(torch.empty(0))[1]
+_get_ident = threading.get_ident
+_graph_task_id = torch._C._current_graph_task_id
+_SKIP = "\0skip"  # names[id(module)] of a module whose calls are not module calls (torch.compile's wrapper)
+
+
+def _strip_compiled(name: str) -> str:
+    """``encoder._orig_mod.layer`` -> ``encoder.layer``: torch.compile's wrapper is not part of the address."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+_BUILTIN: dict[type, bool] = {}
+
+
+def _is_builtin(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is torch's own code (nn.Linear, nn.MultiheadAttention, DDP), so no user frame
+    can sit between its call and its ops: their source is the call site, found without walking the stack.
+    NB: ops of a user hook registered on such a module are located at the module's call site too."""
+    cls = type(module)
+    builtin = _BUILTIN.get(cls)
+    if builtin is None:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        builtin = _BUILTIN[cls] = code is not None and code.co_filename.startswith(TORCH_DIR)
+    return builtin
+
+
+def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+
 
 if TYPE_CHECKING:
     from ._recorder import Recorder
@@ -33,10 +72,18 @@ class ModuleTracker:
         self.calls = empty_columns(MODULE_CALL_FIELDS)
         self.out_trees: dict[int, Any] = {}  # call row -> (treespec, leaves) to rebuild the output structure
         self._call_counts: dict[str, int] = {}
-        self._stack: list[tuple[int, int, tuple[str, ...]]] = []  # (id(module), call row, address stack)
+        # (id(module), call row or -1 for a recomputation, address stack, call site, torch's own class)
+        self._stack: list[tuple[int, int, tuple[str, ...], str, bool]] = []
+        self._forward_calls: dict[int, tuple[tuple[str, ...], str]] = {}  # id(module) -> last forward call
+        self.stack_of_address: dict[str, tuple[str, ...]] = {}  # address -> stack of its last forward call
+        self.recompute_calls = 0  # open module calls that started inside the autograd engine
+        self.thread = _get_ident()
+        self.compiled_seen = False
         self.current_call = -1
         self.current_address = ""
         self.current_source = ""
+        # The innermost call is of a torch module class (nn.Linear): the source of its ops is its call site.
+        self.current_builtin = False
         self.address_stack: tuple[str, ...] = ()
         self._root_names: set[str] = set()
         for prefix, root in roots:
@@ -48,17 +95,24 @@ class ModuleTracker:
         self._root_names.add(prefix)
         dot = prefix + "." if prefix else ""
         for name, mod in root.named_modules(remove_duplicate=False):
+            if _is_compiled_wrapper(mod):
+                self.names[id(mod)] = _SKIP
+                continue
+            name = _strip_compiled(name)
             self.names.setdefault(id(mod), dot + name if name else prefix)
             self._modules.setdefault(id(mod), weakref.ref(mod))
         for name, p in root.named_parameters(remove_duplicate=False):
-            self.params.setdefault(id(p), dot + name)
+            self.params.setdefault(id(p), dot + _strip_compiled(name))
         for name, b in root.named_buffers(remove_duplicate=False):
-            self.params.setdefault(id(b), dot + name)
+            self.params.setdefault(id(b), dot + _strip_compiled(name))
 
     def _address(self, module: torch.nn.Module) -> str:
         address = self.names.get(id(module))
         if address is not None:
             return address
+        if _is_compiled_wrapper(module):
+            self.names[id(module)] = _SKIP  # its _orig_mod is named when the wrapper calls it
+            return _SKIP
         if not self._stack:
             # A new top-level module inside a capture window (the model, then a loss module, ...): the first one
             # found is the root '', later ones are named by class so addresses stay unique.
@@ -77,6 +131,7 @@ class ModuleTracker:
 
     # -- hooks --------------------------------------------------------------------------------------------
     def install(self) -> None:
+        self.thread = _get_ident()
         self._handles = [
             nn_module.register_module_forward_pre_hook(self._pre),
             nn_module.register_module_forward_hook(self._post, always_call=True),
@@ -88,7 +143,22 @@ class ModuleTracker:
         self._handles = []
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        address = self._address(module)
+        in_engine = _graph_task_id() != -1
+        if _get_ident() != self.thread and not in_engine:
+            return  # another thread's module call: not part of this window
+        address = self.names.get(id(module))
+        if address is None:
+            address = self._address(module)
+        if address is _SKIP:
+            self._note_compiled()
+            return
+        if in_engine:
+            # Checkpoint recomputation: the ops belong to the module's forward call, already in the table.
+            stack, source = self._forward_calls.get(id(module)) or (self.address_stack + (address,), "")
+            self._stack.append((id(module), -1, stack, source, _is_builtin(module)))
+            self.recompute_calls += 1
+            self._set_current()
+            return
         calls = self.calls
         row = len(calls["address"])
         n = self._call_counts.get(address, 0)
@@ -97,15 +167,24 @@ class ModuleTracker:
         calls["type"].append(type(module).__name__)
         calls["call"].append(n)
         calls["parent"].append(self.current_call)
-        calls["depth"].append(len(self._stack))
+        calls["depth"].append(len(self.address_stack))
         first = self._recorder.n_ops
         calls["first_op"].append(first)
         calls["end_op"].append(first)
         calls["out_ops"].append(())
         calls["out_pos"].append(())
-        locate = self._recorder._source
-        calls["source"].append(locate.call_site() if locate is not None else "")
-        self._stack.append((id(module), row, self.address_stack + (address,)))
+        locate = self._recorder.locate
+        if locate is None:
+            source = ""
+        elif self.current_builtin:  # called from a torch module's forward: the same site as its ops'
+            source = self.current_source
+        else:
+            source = locate.call_site()
+        calls["source"].append(source)
+        stack = self.address_stack + (address,)
+        self._stack.append((id(module), row, stack, source, _is_builtin(module)))
+        self._forward_calls[id(module)] = (stack, source)
+        self.stack_of_address[address] = stack
         self._set_current()
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -113,12 +192,19 @@ class ModuleTracker:
         key = id(module)
         if not stack or (stack[-1][0] != key and all(entry[0] != key for entry in stack)):
             return
+        if _get_ident() != self.thread and _graph_task_id() == -1:
+            return
         while stack:
-            mid, row, _ = stack.pop()
-            self.calls["end_op"][row] = self._recorder.n_ops
+            mid, row, _, _, _ = stack.pop()
+            if row < 0:
+                self.recompute_calls -= 1
+            else:
+                self.calls["end_op"][row] = self._recorder.n_ops
             if mid == key:
                 break
         self._set_current()
+        if row < 0:
+            return
         if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
             leaves, spec = [output], _LEAF_SPEC
         else:
@@ -128,23 +214,37 @@ class ModuleTracker:
         self.calls["out_pos"][row] = out_pos
         self.out_trees[row] = (spec, [None if i >= 0 else leaf for i, leaf in zip(out_ops, leaves)])
 
+    def _note_compiled(self) -> None:
+        if self.compiled_seen:
+            return
+        self.compiled_seen = True
+        warnings.warn(
+            "tl_dist: a torch.compile'd module ran inside a capture window. A TorchDispatchMode makes "
+            "torch.compile run it eagerly, so its ops are recorded one by one (their times are eager times); "
+            "addresses leave out the '_orig_mod' wrapper.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     def _set_current(self) -> None:
         if self._stack:
-            _, row, self.address_stack = self._stack[-1]
+            _, row, self.address_stack, self.current_source, self.current_builtin = self._stack[-1]
             self.current_call = row
-            self.current_address = self.calls["address"][row]
-            self.current_source = self.calls["source"][row]
+            self.current_address = self.address_stack[-1]
         else:
             self.current_call = -1
             self.current_address = ""
             self.current_source = ""
+            self.current_builtin = False
             self.address_stack = ()
 
     def close(self) -> None:
         """Ends calls still open (the forward raised) at the current op count; untags the modules' tensors."""
         while self._stack:
-            _, row, _ = self._stack.pop()
-            self.calls["end_op"][row] = self._recorder.n_ops
+            _, row, _, _, _ = self._stack.pop()
+            if row >= 0:
+                self.calls["end_op"][row] = self._recorder.n_ops
+        self.recompute_calls = 0
         self._set_current()
         # An in-place op on a parameter or buffer (a step counter's add_, BatchNorm's running stats, an
         # optimizer step) tags it like any op output; the tag must not stay on the user's model.
@@ -157,6 +257,32 @@ class ModuleTracker:
                 tag = getattr(t, TAG, None)
                 if tag is not None and tag[0] == token:
                     delattr(t, TAG)
+
+    def open_call_rows(self) -> list[int]:
+        """Module-call table rows of the calls running now (a post-mortem ends them where the window stands)."""
+        return [entry[1] for entry in self._stack if entry[1] >= 0]
+
+    def live_modules(self) -> list[torch.nn.Module]:
+        """The modules the capture has seen that are still alive."""
+        return [m for m in (ref() for ref in self._modules.values()) if m is not None]
+
+    def owner_of(self, param: torch.Tensor | None) -> tuple[str, tuple[str, ...]]:
+        """(address, address stack) of the innermost called module owning ``param`` (for a backward op that
+        accumulates its gradient); ``("", ())`` when unknown."""
+        if param is None:
+            return "", ()
+        name = self.params.get(id(param))
+        if name is None:
+            return "", ()
+        # The nearest enclosing module that was called: a parameter of a module that is used without being
+        # called (MultiheadAttention's out_proj) belongs with the ops that read it, in its caller.
+        address = name
+        while address:
+            address = address.rpartition(".")[0]
+            stack = self.stack_of_address.get(address)
+            if stack is not None:
+                return address, stack
+        return "", ()
 
     def live_module(self, address: str) -> torch.nn.Module | None:
         """The module object behind ``address`` if it is still alive."""

@@ -76,15 +76,17 @@ class OpInfo:
         self.counter_key = self.func
 
 
-_CACHE: dict[Any, OpInfo] = {}
+# id(op) -> (op, its OpInfo): looked up by id because OpOverload.__hash__ is Python code (a second per-op
+# Python call); the op is kept, so the id cannot be reused while the entry exists.
+OPINFO_CACHE: dict[int, tuple[Any, OpInfo]] = {}
 
 
 def op_info(op: Any) -> OpInfo:
     """The cached :class:`OpInfo` of ``op``."""
-    info = _CACHE.get(op)
-    if info is None:
-        info = _CACHE[op] = OpInfo(op)
-    return info
+    entry = OPINFO_CACHE.get(id(op))
+    if entry is None or entry[0] is not op:
+        entry = OPINFO_CACHE[id(op)] = (op, OpInfo(op))
+    return entry[1]
 
 
 def mutated_tensors(info: OpInfo, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -16,18 +16,25 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._common import DEVICE_NAMES, DTYPE_NAMES, RowView, device_name, dtype_name, flat_outputs, storage_key
+from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import OWN_DIR as _OWN_DIR
 from ._common import TAG as _TAG
 from ._common import TORCH_DIR as _TORCH_DIR
 from ._modules import ModuleTracker
-from ._opinfo import _CACHE as _OPINFO_CACHE
-from ._opinfo import flop_count, mutated_tensors, op_info
+from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
+from ._phases import SPECIAL as _SPECIAL_PHASE
+from ._phases import PhaseTracker, accumulating_param, in_recompute
 from .collectives import CollectiveLog
+from .errors import TlDistError
 from .schema import OP_FIELDS, field_names
 from .training import TrainingState, backward_link
 
 Tensor = torch.Tensor
+# The captures running now (at most one: windows do not nest); capture.py pushes and pops, arm's post-mortem reads.
+ACTIVE: list[Any] = []
 _perf_ns = time.perf_counter_ns
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
@@ -35,50 +42,14 @@ _grad_enabled = torch.is_grad_enabled
 # so that CPython's GC untracks them: a long capture then leaves no pile of containers for a full collection.
 _TOKENS = itertools.count(1)
 
+_MODULE = _FIELD_INDEX["module"]
+_MODULE_STACK = _FIELD_INDEX["module_stack"]
 _MODULE_MACHINERY = torch.nn.modules.module.__file__
 # Frames that are never "the user's code": torch and tl_dist themselves, the standard library (contextlib and
 # functools wrappers around torch calls), and typing_extensions' @deprecated wrapper torch puts on some APIs.
 _INTERNAL_DIRS = (_TORCH_DIR, _OWN_DIR, "<frozen")
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + "/"
 _TYPING_EXTENSIONS = getattr(sys.modules.get("typing_extensions"), "__file__", None)
-_FIELD_INDEX = {name: i for i, name in enumerate(field_names(OP_FIELDS))}
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-_DEVICE_NAMES: dict[torch.device, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
-
-
-def _device_name(device: torch.device) -> str:
-    name = _DEVICE_NAMES.get(device)
-    if name is None:
-        name = _DEVICE_NAMES[device] = str(device)
-    return name
-
-
-class RowView:
-    """Attribute access to a row under construction, for selectors evaluated while capturing."""
-
-    __slots__ = ("_row", "output_of")
-
-    def __init__(self, row: tuple, output_of: tuple[str, ...] = ()) -> None:
-        self._row = row
-        self.output_of = output_of
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._row[_FIELD_INDEX[name]]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    @property
-    def shape(self) -> tuple[int, ...] | None:
-        shapes = self.out_shapes
-        return tuple(shapes[0]) if shapes else None
 
 
 # Shared by all captures (code objects outlive them): code object -> SourceLocator._USER / _INTERNAL /
@@ -140,6 +111,10 @@ class SourceLocator:
         """Source of the op being dispatched (called from Recorder.on_op)."""
         return self._walk(sys._getframe(2), self._modules.current_source)
 
+    def caller(self, depth: int) -> str:
+        """Source of the user code ``depth`` frames above the caller (an optimizer step hook: its step call)."""
+        return self._walk(sys._getframe(depth + 1), self._modules.current_source)
+
     def call_site(self) -> str:
         """Source of the module call starting now (called from the module pre-hook, before it is pushed)."""
         frame = sys._getframe(2)
@@ -150,6 +125,17 @@ class SourceLocator:
                 break
             frame = frame.f_back
         return self._walk(frame, self._modules.current_source)
+
+
+class CaptureMode(TorchDispatchMode):
+    """Forwards every dispatched op to a recorder (the only code on the dispatcher's path)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self._on_op = recorder.on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        return self._on_op(func, args, kwargs or {})
 
 
 class Recorder:
@@ -178,10 +164,11 @@ class Recorder:
         self._storage_refs: dict[int, list[tuple[int, int, int]]] = {}
         # storage -> (op, first byte, end byte) of each in-place write into it
         self._writes: dict[int, list[tuple[int, int, int]]] = {}
+        self._last_write = -1  # index of the latest in-place op
         self._label_counts: dict[str, int] = {}
         self.modules = ModuleTracker(self, roots)
         self._backward_sources: dict[int, str] = {}  # autograd graph task -> where backward() was called
-        self._source = SourceLocator(self.modules) if source else None
+        self.locate = SourceLocator(self.modules) if source else None
         self.params = self.modules.params
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
@@ -189,12 +176,15 @@ class Recorder:
         # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
         self.pending: tuple[int, list[Tensor]] | None = None
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
+        self.phases = PhaseTracker(self)
+        self.step_source: str | None = None  # where the running optimizer.step() was called
         self.stats_on = stats is not None
         self.clock_offset_ns = time.time_ns() - _perf_ns()
 
     # -- the hot path -------------------------------------------------------------------------------------
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        info = _OPINFO_CACHE.get(func) or op_info(func)
+        cached = OPINFO_CACHE.get(id(func))  # by id: OpOverload's __hash__ is Python code
+        info = cached[1] if cached is not None and cached[0] is func else op_info(func)
         if self.pending is not None:  # the previous op's outputs now have their grad_fn
             self.training.link_pending()
         tensors: list[Tensor] = []
@@ -220,7 +210,7 @@ class Recorder:
             tag = getattr(t, _TAG, None)
             if tag is not None and tag[0] == token:
                 parents[tag[1]] = None
-                if writes and (writer := self._written_since(t, tag[1])) >= 0:
+                if writes and self._last_write > tag[1] and (writer := self._written_since(t, tag[1])) >= 0:
                     # An alias of t was written in place after t was made (v = y.view(..); y.relu_(); v * 2):
                     # t's value now comes from that write, and t's producer no longer holds it.
                     parents[writer] = None
@@ -268,8 +258,8 @@ class Recorder:
         self._label_counts[info.func] = n
         if outs:
             first = outs[0]
-            dtype = _DTYPE_NAMES.get(first.dtype) or _dtype_name(first.dtype)
-            device = _DEVICE_NAMES.get(first.device) or _device_name(first.device)
+            dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
+            device = DEVICE_NAMES.get(first.device) or device_name(first.device)
             if len(outs) == 1:
                 out_shapes = (tuple(first.shape),)
                 out_bytes = first.nelement() * first.element_size()
@@ -293,13 +283,33 @@ class Recorder:
         task = _graph_task_id()
         if task == -1:
             phase, fwd_op = self.phase, -1
-            source = self._source() if self._source is not None else ""
+            if info.func in _SPECIAL_PHASE:
+                phase = self.phases.special(info.func, args, phase)
+            address, stack, call = modules.current_address, modules.address_stack, modules.current_call
+            if self.locate is None:
+                source = ""
+            elif modules.current_builtin:  # inside nn.Linear & co: no user frame below its call site
+                source = modules.current_source
+            elif phase == "optimizer" and self.step_source is not None:  # every op of one step() call
+                source = self.step_source
+            else:
+                source = self.locate()
+        elif _grad_enabled() and in_recompute(modules.recompute_calls):
+            # Checkpoint recomputation: forward code run again by the engine; its module is the forward call's.
+            phase, fwd_op = "recompute", -1
+            address, stack, call = modules.current_address, modules.address_stack, -1
+            source = self.locate() if self.locate is not None else ""
         else:
-            phase, fwd_op = "backward", backward_link(token)
+            phase, fwd_op, call = "backward", backward_link(token), -1
+            if fwd_op >= 0:  # the module of the forward op this op differentiates
+                forward_row = self.rows[fwd_op]
+                address, stack = forward_row[_MODULE], forward_row[_MODULE_STACK]
+            else:
+                address, stack = modules.owner_of(accumulating_param())
             # Every op of one backward pass has the same Python stack above the engine: the .backward() call.
             source = self._backward_sources.get(task)
             if source is None:
-                source = self._source() if self._source is not None else ""
+                source = self.locate() if self.locate is not None else ""
                 self._backward_sources[task] = source
         row = (
             index,
@@ -309,9 +319,9 @@ class Recorder:
             kind,
             phase,
             fwd_op,
-            modules.current_address,
-            modules.address_stack,
-            modules.current_call,
+            address,
+            stack,
+            call,
             out_shapes,
             dtype,
             device,
@@ -354,7 +364,7 @@ class Recorder:
         pre_write: dict[int, Tensor] | None,
     ) -> None:
         keep = self.keep_graph
-        watch = self._watch
+        watch = self.watch
         self.saved[index] = [o if keep else o.detach() for o in outs]
         for pos, o in enumerate(outs):
             watch(o, (index, 0, pos))
@@ -386,15 +396,16 @@ class Recorder:
         return None
 
     def _note_writes(self, index: int, written: list[Tensor]) -> None:
+        self._last_write = index
         for t in written:
             lo, hi = _byte_extent(t)
-            key = _storage_key(t)
+            key = storage_key(t)
             if hi > lo and key is not None:
                 self._writes.setdefault(key, []).append((index, lo, hi))
 
     def _written_since(self, t: Tensor, since: int) -> int:
         """The latest op after op ``since`` that wrote in place into memory ``t`` covers; -1 if none."""
-        entries = self._writes.get(_storage_key(t))
+        entries = self._writes.get(storage_key(t))
         if not entries or entries[-1][0] <= since:
             return -1
         lo, hi = _byte_extent(t)
@@ -420,15 +431,15 @@ class Recorder:
                 extra.append(base)
         return outs + extra if extra else outs
 
-    def _watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
-        key = _storage_key(t)
+    def watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
+        key = storage_key(t)
         if key is not None:
             self._storage_refs.setdefault(key, []).append(entry)
 
     def _copy_before_write(self, written: list[Tensor]) -> None:
         """Copy saved tensors that share memory with tensors an in-place op is about to overwrite."""
         for t in written:
-            entries = self._storage_refs.pop(_storage_key(t), None)
+            entries = self._storage_refs.pop(storage_key(t), None)
             for index, what, pos in entries or ():
                 if what == 0:
                     saved = self.saved[index]
@@ -466,7 +477,7 @@ class Recorder:
                     saved: list[Tensor | None] = [None] * n_out
                     saved[pos] = leaf if self.keep_graph else leaf.detach()
                     self.saved[index] = saved
-                    self._watch(leaf, (index, 0, pos))
+                    self.watch(leaf, (index, 0, pos))
         return tuple(ops), tuple(poss)
 
     def _record_failure(self, info: Any, exc: BaseException) -> None:
@@ -476,8 +487,40 @@ class Recorder:
             "func": info.func,
             "aten": info.aten,
             "module": modules.current_address,
-            "source": self._source() if self._source is not None else "",
+            "module_stack": list(modules.address_stack),
+            "source": self.locate() if self.locate is not None else "",
             "error": f"{type(exc).__name__}: {exc}",
+        }
+
+    # -- after the window ----------------------------------------------------------------------------------
+    def log_backward(self, loss: Tensor) -> dict[str, Any]:
+        """Runs ``loss.backward()`` under this recorder; returns the trace's tables, grown by its ops (see
+        :meth:`tl_dist.trace.Trace.log_backward`)."""
+        if not isinstance(loss, Tensor):
+            raise ValueError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss must require grad: build it from trace.output (or keep_graph=True activations) "
+                "with autograd enabled, not under torch.no_grad()"
+            )
+        if ACTIVE:
+            raise TlDistError("log_backward cannot run inside an active tl_dist capture window")
+        training = self.training
+        training.open = True
+        # Everything loss.backward() dispatches is backward here, the seed gradient (ones_like) included.
+        self.phase = "backward"
+        try:
+            with CaptureMode(self):
+                loss.backward()
+        finally:
+            training.open = False
+            self.phase = "forward"
+        columns = self.columns()
+        return {
+            "columns": columns,
+            "collective_table": self.comm.columns(columns),  # DDP's bucket all-reduces run in backward
+            "grads": training.grads,
+            "stats_table": training.finish(),
         }
 
     # -- end of capture -----------------------------------------------------------------------------------
@@ -499,51 +542,16 @@ class Recorder:
         return columns
 
 
-def flat_outputs(out: Any) -> list[Tensor]:
-    """The tensors an op returned, in the order their positions are numbered (``saved[op][pos]``, tags):
-    a tuple/list is walked one level deep (``split`` returns a list; ``_foreach`` ops lists in tuples)."""
-    if isinstance(out, Tensor):
-        return [out]
-    flat: list[Tensor] = []
-    if type(out) is tuple or type(out) is list:
-        for o in out:
-            if isinstance(o, Tensor):
-                flat.append(o)
-            elif type(o) is list or type(o) is tuple:
-                flat += [p for p in o if isinstance(p, Tensor)]
-    return flat
-
-
-def _storage_key(t: Tensor) -> int | None:
-    """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
-    storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose
-    data lives in inner tensors that its own dispatch handles below the mode."""
-    storage = t.untyped_storage()
-    try:
-        return storage.data_ptr() if storage.nbytes() else None
-    except RuntimeError:
-        return None
-
-
 def _byte_extent(t: Tensor) -> tuple[int, int]:
     """[first, end) bytes of its storage that ``t`` can touch (a superset for strided views)."""
     lo = t.storage_offset()
+    itemsize = t.element_size()
+    if t.is_contiguous():
+        n = t.numel()
+        return (lo * itemsize, (lo + n) * itemsize) if n else (0, 0)
     hi = lo + 1
     for size, stride in zip(t.shape, t.stride()):
         if size == 0:
             return 0, 0
         hi += (size - 1) * abs(stride)
-    itemsize = t.element_size()
     return lo * itemsize, hi * itemsize
-
-
-def fill_skeleton(value: Any, tensors: list, cursor: list[int]) -> Any:
-    """Rebuild a recorded argument (an item of ``replay[op][1]`` or a value of ``replay[op][2]``) with its
-    tensor slots -- the tensors in it, in the order ``Recorder.on_op`` gathered them: top level, then one list
-    level, args before kwargs -- replaced by ``tensors[cursor[0]:]``."""
-    if isinstance(value, Tensor):
-        cursor[0] += 1
-        return tensors[cursor[0] - 1]
-    if type(value) is list or type(value) is tuple:
-        return type(value)(fill_skeleton(v, tensors, cursor) if isinstance(v, Tensor) else v for v in value)
-    return value

@@ -1,18 +1,16 @@
-"""``tl.arm()``: per-rank capture windows written to rank-local HDF5 shards, with post-mortem shards.
+"""``tl.arm()``: per-rank capture windows handed to sinks (the HDF5 shard writer and others), with post-mortems.
 
-Arming installs nothing on the op path: it fixes where shards go (``out_dir/rank{RRRRR}/``), what a window
-records, the run metadata, and installs SIGTERM/SIGUSR1 handlers plus an atexit hook that write whatever an
-open window has captured as a shard marked incomplete. ``with tl.capture(step=k):`` then writes
-``step{k:08d}.h5`` when the window closes (the window counter names it when no step is given).
+Arming installs nothing on the op path: it fixes what a window records (``tl.CaptureOptions``), the run
+metadata, and the sinks that receive finished windows on a background worker thread (``tl_dist.sinks``); with
+``out_dir`` the shard writer is one of them (``out_dir/rank{RRRRR}/step{SSSSSSSS}.h5``). It installs
+SIGTERM/SIGUSR1 handlers plus an atexit hook that write whatever an open window has captured as a shard marked
+incomplete -- synchronously, so it lands before the process dies -- and flush the sinks' queue.
 
 Example:
     >>> torch.distributed.init_process_group("gloo")
     >>> tl.arm("runs/job42", every=100)
     >>> for step in range(1000):
-    ...     if tl.should_capture(step):
-    ...         with tl.capture(step=step):
-    ...             train_step()
-    ...     else:
+    ...     with tl.capture(step=step) if tl.should_capture(step) else contextlib.nullcontext():
     ...         train_step()
 """
 
@@ -31,29 +29,51 @@ from typing import Any
 
 import torch
 
+from . import _session
+from ._recorder import ACTIVE
 from ._stacks import frame_stack, traceback_stack
-from .selectors import check_selection
+from .options import CaptureOptions, check_options
+from .sinks import SinkStats, SinkWorker, check_sinks
 from .store.options import ShardOptions
+from .store.sink import ShardSink
 
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
 _DEFAULT_SHARD = ShardOptions()
+_DEFAULT_OPTIONS = CaptureOptions()
+FLUSH_TIMEOUT_S = 30.0
+"""How long ``disarm()`` and interpreter exit wait for the sinks to take the queued windows."""
+SIGNAL_FLUSH_S = 10.0
+"""How long a terminating signal (SIGTERM) waits for them before the process ends."""
 
 
-def _run_metadata() -> dict[str, Any]:
+def _run_id(out_dir: Path | None, host: str) -> str:
+    """One id for every rank of the run without talking to the others: torchelastic's run id, else the shard
+    folder's name, else the rendezvous address, else this process."""
+    for value in (os.environ.get("TORCHELASTIC_RUN_ID"), out_dir.name if out_dir is not None else None):
+        if value:
+            return value
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    return f"{host}-{os.getpid()}"
+
+
+def _run_metadata(out_dir: Path | None) -> dict[str, Any]:
     """Rank, world size and backend from the default process group; rank 0 of world 1 without one."""
     rank, world, backend = 0, 1, ""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         rank, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    host = socket.gethostname()
     return {
         "rank": rank,
         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
         "world_size": world,
         "backend": backend,
-        "host": socket.gethostname(),
+        "host": host,
         # Same host and boot: one clock. The merge then takes offset 0 instead of estimating one.
         "boot_id": _boot_id(),
         "pid": os.getpid(),
+        "run_id": _run_id(out_dir, host),
         "torch_version": str(torch.__version__),
         "start_time_ns": time.time_ns(),
     }
@@ -68,43 +88,44 @@ def _boot_id() -> str:
 
 
 class Armed:
-    """The armed state of this process (``tl.arm``): output folder, capture defaults, run metadata."""
+    """The armed state of this process (``tl.arm``), the capture core's session: options, metadata, sinks."""
 
     def __init__(
         self,
-        out_dir: Path,
+        out_dir: Path | None,
         *,
-        save: Any,
-        save_grads: Any,
-        stats: Any,
+        options: CaptureOptions,
         every: int | None,
+        sinks: tuple[Any, ...],
         shard: ShardOptions,
     ) -> None:
         self.out_dir = out_dir
-        self.save = save
-        self.save_grads = save_grads
-        self.stats = stats
+        self.options = options
         self.every = every
         self.shard = shard
-        self.metadata = _run_metadata()
-        self.rank_dir = out_dir / f"rank{self.metadata['rank']:05d}"
+        self.metadata = _run_metadata(out_dir)
+        self.shard_sink = ShardSink(out_dir, shard=shard) if out_dir is not None else None
+        all_sinks = ((self.shard_sink,) if self.shard_sink is not None else ()) + sinks
+        self.worker = SinkWorker(all_sinks)
+        self.rank_dir = out_dir / f"rank{self.metadata['rank']:05d}" if out_dir is not None else None
         self.windows = 0
         self.previous_handlers: dict[int, Any] = {}
         self.watcher: _SignalWatcher | None = None
 
-    def shard_path(self, number: int) -> Path:
-        return self.rank_dir / f"step{number:08d}.h5"
+    def open_window(self, step: int | None) -> Window:
+        return Window(self, step)
 
 
 class Window:
-    """One armed capture window: knows its shard name and writes the shard when the capture closes."""
+    """One armed capture window: on close, hands its trace to the sinks (post-mortems: the shard first)."""
 
     def __init__(self, armed: Armed, step: int | None) -> None:
         self.armed = armed
         self.number = armed.windows
         armed.windows += 1
         self.step = step if step is not None else self.number
-        self.path = armed.shard_path(self.step)
+        sink = armed.shard_sink
+        self.path = sink.path_for({"rank": armed.metadata["rank"], "step": self.step}) if sink else None
         self.thread = threading.get_ident()  # the thread that runs the window: its stack goes in post-mortems
 
     def metadata(self, *, complete: bool, reason: str) -> dict[str, Any]:
@@ -113,12 +134,11 @@ class Window:
         return meta
 
     def close(self, capture: Any, exc: BaseException | None) -> None:
-        """Called by ``Capture.__exit__``: an exception makes the shard incomplete (post-mortem)."""
-        from .store.hdf5 import write_shard
-
+        """Called by ``Capture.__exit__``. A window the user's error ended is a post-mortem: its shard is written
+        now, on this thread; then (or for a normal window, only) the worker delivers it to the sinks."""
+        armed = self.armed
         complete = exc is None
-        reason = "closed" if complete else "exception"
-        meta = self.metadata(complete=complete, reason=reason)
+        meta = self.metadata(complete=complete, reason="closed" if complete else "exception")
         if exc is not None:
             meta["error"] = f"{type(exc).__name__}: {exc}"
             meta.update(traceback_stack(exc.__traceback__, until=_on_signal.__code__))
@@ -127,95 +147,119 @@ class Window:
                 meta["end_reason"] = signal.Signals(signum).name
         trace = capture.trace
         trace.metadata.update(meta)
-        try:
-            # Serialised with post-mortem writes (the signal watcher may be writing this window's snapshot):
-            # the shard that ends up under the name is this final one.
-            with _writing:
-                write_shard(trace, self.path, complete=complete, options=self.armed.shard)
-        except Exception as write_exc:
-            if exc is None:
-                raise
-            # The user's exception is the one to see; a failed post-mortem write must not replace it.
-            warnings.warn(
-                f"tl_dist: could not write post-mortem shard {self.path}: {write_exc}", stacklevel=2
-            )
-        else:
+        skip: tuple[Any, ...] = ()
+        if not complete and armed.shard_sink is not None:
+            skip = (armed.shard_sink,)
+            try:
+                # Serialised with post-mortem writes (the signal watcher may be writing this window's
+                # snapshot): the shard that ends up under the name is this final one.
+                with _writing:
+                    armed.shard_sink.write(trace, complete=False)
+            except Exception as write_exc:  # noqa: BLE001 - the user's exception is the one to see
+                warnings.warn(
+                    f"tl_dist: could not write post-mortem shard {self.path}: {write_exc}", stacklevel=3
+                )
+        if self.path is not None:
             trace.metadata["shard"] = str(self.path)
+        capture.detach_from_training()
+        armed.worker.submit(trace, skip=skip)
 
 
 _state: Armed | None = None
+_last_stats: SinkStats | None = None
 _writing = threading.Lock()
 
 
 def arm(
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
     *,
-    save: Any = None,
-    save_grads: Any = None,
-    stats: Any = None,
     every: int | None = None,
+    sinks: Any = (),
+    options: CaptureOptions = _DEFAULT_OPTIONS,
     shard: ShardOptions = _DEFAULT_SHARD,
-) -> Path:
-    """Arm this process: ``tl.capture`` windows write rank-local shards under ``out_dir``.
+) -> Path | None:
+    """Arm this process: ``tl.capture`` windows go to sinks -- the shard writer under ``out_dir``, and ``sinks``.
 
     Call once per process, after ``init_process_group`` (without a process group the process is rank 0 of a
-    world of 1). Arming again replaces the previous arming. Nothing is installed on the op path, so steps
-    outside a window run at plain speed. SIGTERM and SIGUSR1 handlers (chained to the previous ones; SIGTERM
-    still terminates) and an atexit hook write an open window's partial trace as an incomplete shard.
+    world of 1). Arming again replaces the previous arming (its queue is flushed first). Nothing is installed
+    on the op path, so steps outside a window run at plain speed. SIGTERM and SIGUSR1 handlers (chained to the
+    previous ones; SIGTERM still terminates) and an atexit hook write an open window's partial trace as an
+    incomplete shard (with ``out_dir``) and flush the sinks.
 
     Args:
-        out_dir: root folder of the run; this rank writes ``out_dir/rank{RRRRR}/step{SSSSSSSS}.h5``.
-        save: default op outputs to keep in armed windows: True, None (metadata only) or a selector.
-        save_grads: default per-op gradients to keep (True, None or a selector), forwarded to the capture.
-        stats: default per-op statistics (True, None or a selector), forwarded to the capture.
+        out_dir: root folder of the run; this rank writes ``out_dir/rank{RRRRR}/step{SSSSSSSS}.h5``. None: no
+            shards (and no post-mortem shards), only ``sinks``.
         every: capture policy for integrations: ``tl.should_capture(step)`` is True when
             ``step % every == 0``; None captures every step.
+        sinks: more consumers of finished windows (:class:`tl_dist.Sink`: ``on_window(trace, telemetry)`` and
+            ``close()``), e.g. ``tl_dist.exporters.otel.OtelSink()``; they run on a background thread.
+        options: what windows record by default (:class:`tl_dist.CaptureOptions`); ``tl.capture`` keywords
+            override them per window.
         shard: chunking/compression of shards, see :class:`tl_dist.store.ShardOptions`.
 
     Returns:
-        This rank's shard folder.
+        This rank's shard folder (None without ``out_dir``).
 
     Example:
-        >>> tl.arm("runs/job42", save=tl.func("relu"), every=10)
+        >>> tl.arm("runs/job42", options=tl.CaptureOptions(save=tl.func("relu")), every=10)
         >>> with tl.capture(step=10):
         ...     model(x).sum().backward()
+        >>> tl.flush()  # shards are written in the background; disarm() and exit flush too
         >>> tl.load("runs/job42/rank00000/step00000010.h5").step
         10
     """
     global _state
-    if not isinstance(out_dir, (str, os.PathLike)):
-        raise ValueError(f"out_dir must be a str or os.PathLike folder, got {type(out_dir).__name__}")
-    save = check_selection(save, "save")
-    save_grads = check_selection(save_grads, "save_grads")
-    stats = check_selection(stats, "stats")
+    if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+        raise ValueError(
+            f"out_dir must be a str or os.PathLike folder (or None), got {type(out_dir).__name__}"
+        )
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"every must be a positive int (capture every N-th step) or None, got {every!r}")
+    check_options(options)
     if not isinstance(shard, ShardOptions):
         raise ValueError(f"shard must be a tl_dist.store.ShardOptions, got {type(shard).__name__}")
-    root = Path(out_dir)
-    if root.exists() and not root.is_dir():
+    sinks = check_sinks(sinks)
+    root = Path(out_dir) if out_dir is not None else None
+    if root is not None and root.exists() and not root.is_dir():
         raise ValueError(f"out_dir {str(root)!r} exists and is not a folder")
+    if root is None and not sinks:
+        raise ValueError("arm needs out_dir (write shards) or sinks (consumers of windows), got neither")
     if _state is not None:
+        if _state.out_dir is not None and root is not None and _state.out_dir.resolve() != root.resolve():
+            warnings.warn(
+                f"tl.arm({str(root)!r}): re-arming; windows now go to {str(root)!r} instead of "
+                f"{str(_state.out_dir)!r}",
+                UserWarning,
+                stacklevel=2,
+            )
         disarm()
-    state = Armed(root, save=save, save_grads=save_grads, stats=stats, every=every, shard=shard)
-    state.rank_dir.mkdir(parents=True, exist_ok=True)
+    state = Armed(root, options=options, every=every, sinks=sinks, shard=shard)
+    if state.rank_dir is not None:
+        state.rank_dir.mkdir(parents=True, exist_ok=True)
     _install_handlers(state)
     atexit.register(_at_exit)
     _state = state
+    _session.install(state)
     return state.rank_dir
 
 
-def disarm() -> None:
-    """Undo :func:`arm`: restore the previous signal handlers and drop the atexit hook. A no-op when not armed.
+def disarm(timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
+    """Undo :func:`arm`: flush the sinks' queue (up to ``timeout`` seconds) and close the sinks, restore the
+    previous signal handlers, drop the atexit hook. A no-op (True) when not armed.
+
+    Returns:
+        True when every window reached the sinks before the deadline.
 
     Example:
         >>> tl.arm("runs/x"); tl.disarm()
+        True
     """
-    global _state
+    global _state, _last_stats
     state = _state
     if state is None:
-        return
+        return True
     _state = None
+    _session.install(None)
     atexit.unregister(_at_exit)
     for signum, previous in state.previous_handlers.items():
         if signal.getsignal(signum) is _on_signal:
@@ -224,11 +268,40 @@ def disarm() -> None:
         # once disarmed).
     if state.watcher is not None:
         state.watcher.close()
+    delivered = state.worker.close(timeout)
+    _last_stats = state.worker.stats
+    return delivered
 
 
 def armed() -> Armed | None:
     """The current armed state, or None."""
     return _state
+
+
+def flush(timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
+    """Wait until the sinks have taken every closed window (shards written, exports handed over); False if
+    ``timeout`` seconds passed first. True when not armed.
+
+    Example:
+        >>> with tl.capture(step=3): ...
+        >>> tl.flush(); tl.load("runs/x/rank00000/step00000003.h5")
+    """
+    state = _state
+    return True if state is None else state.worker.flush(timeout)
+
+
+def sink_stats() -> SinkStats:
+    """Counters of the sink worker of the current arming (or of the last one after ``disarm``): windows
+    submitted, delivered, dropped (queue full), pending, and errors per sink.
+
+    Example:
+        >>> tl.sink_stats().dropped
+        0
+    """
+    state = _state
+    if state is not None:
+        return state.worker.stats
+    return _last_stats if _last_stats is not None else SinkStats()
 
 
 def should_capture(step: int) -> bool:
@@ -246,14 +319,6 @@ def should_capture(step: int) -> bool:
     if state is None:
         return False
     return state.every is None or step % state.every == 0
-
-
-def open_window(step: int | None) -> Window | None:
-    """For ``tl.capture(step=...)``: a window writing a shard when armed, else None."""
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-    state = _state
-    return None if state is None else Window(state, step)
 
 
 # -- post-mortem --------------------------------------------------------------------------------------------
@@ -289,13 +354,10 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
     """
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from .capture import _active
-    from .store.hdf5 import write_shard
-
     state = _state
-    if state is None or not _active:
+    if state is None or not ACTIVE or state.shard_sink is None:
         return None
-    cap = _active[-1]
+    cap = ACTIVE[-1]
     window = getattr(cap, "_window", None)
     recorder = getattr(cap, "_recorder", None)
     if window is None or recorder is None:
@@ -311,14 +373,17 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
         # must not be recorded into the trace being written.
         with _disable_current_modes():
             trace = cap._build_trace(output=None)
-            for _, row in getattr(recorder.modules, "_stack", ()):
+            # A snapshot: the window may go on (SIGUSR1), so its module table is copied before the open
+            # calls are ended where the window stands now.
+            trace.module_table = {name: list(col) for name, col in trace.module_table.items()}
+            for row in recorder.modules.open_call_rows():
                 trace.module_table["end_op"][row] = recorder.n_ops
             if trace.failed_op is None:
                 trace.failed_op = _in_flight(frame)
             meta = window.metadata(complete=False, reason=reason)
             meta.update(frame_stack(frame))
             trace.metadata.update(meta)
-            return write_shard(trace, window.path, complete=False, options=state.shard)
+            return state.shard_sink.write(trace, complete=False)
     except Exception as exc:  # noqa: BLE001 - never raise out of a signal handler or atexit
         print(f"tl_dist: could not write post-mortem shard {window.path}: {exc}", file=sys.stderr)
         return None
@@ -351,7 +416,10 @@ def _on_signal(signum: int, frame: Any) -> None:
         # SIGUSR1 is the "dump now" request: its default action (terminate) is not taken.
         return
     else:
-        # Default disposition (or one installed outside Python): re-deliver with it, so SIGTERM terminates.
+        # Default disposition (or one installed outside Python): re-deliver with it, so SIGTERM terminates --
+        # after the sinks took the windows already closed (bounded: the scheduler's kill grace is short).
+        if state is not None:
+            state.worker.flush(SIGNAL_FLUSH_S)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -438,6 +506,7 @@ class _SignalWatcher:
                 writer.join(timeout=self.WRITE_TIMEOUT_S)
                 previous = self._state.previous_handlers.get(signum)
                 if signum == signal.SIGTERM and previous in (signal.SIG_DFL, None):
+                    self._state.worker.flush(SIGNAL_FLUSH_S)
                     _die_by_default(signum)
 
     def close(self) -> None:
@@ -489,3 +558,6 @@ def _die_by_default(signum: int) -> None:
 
 def _at_exit() -> None:
     write_postmortem("atexit")
+    state = _state
+    if state is not None:  # the windows already closed reach the sinks; then the sinks close
+        state.worker.close(FLUSH_TIMEOUT_S)

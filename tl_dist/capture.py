@@ -1,40 +1,53 @@
 """Capture entry points: ``tl.trace(model, x)`` and the ``with tl.capture():`` window.
 
 Ops are intercepted at the dispatcher by a private TorchDispatchMode; module boundaries come from global
-forward hooks. Both are installed on entry and removed on exit -- also when the user's code raises -- so
-nothing stays behind and a plain forward afterwards costs what it did before.
+forward hooks, the optimizer phase from global optimizer step hooks. All are installed on entry and removed on
+exit -- also when the user's code raises -- so nothing stays behind and a plain forward afterwards costs what it
+did before. An armed process (``tl.arm``) hands each closed window to its session (``_session``), which
+writes shards and feeds sinks; this module knows nothing of either.
 """
 
 from __future__ import annotations
 
 import gc
+import time
+import warnings
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._recorder import Recorder
-from .arm import open_window as _open_window
+from . import _session
+from ._common import storage_key
+from ._recorder import ACTIVE, CaptureMode, Recorder
 from .errors import TlDistError
-from .selectors import check_selection
+from .options import CaptureOptions, check_options
+from .telemetry import module_name
 from .trace import Trace
 
-_active: list[Capture] = []
+_OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph")
 
 
-class _CaptureMode(TorchDispatchMode):
-    """Forwards every dispatched op to the capture's recorder."""
-
-    def __init__(self, recorder: Recorder) -> None:
-        super().__init__()
-        self._on_op = recorder.on_op
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        return self._on_op(func, args, kwargs or {})
+def resolve_options(
+    options: CaptureOptions | None, keywords: dict[str, Any], base: CaptureOptions
+) -> CaptureOptions:
+    """The options of a window: ``options`` as given, or ``base`` with the keyword options that were given
+    (not None) applied. Both at once is an error: one way to say one thing."""
+    given = {k: v for k, v in keywords.items() if v is not None}
+    if options is not None:
+        check_options(options)
+        if given:
+            raise ValueError(
+                f"give either options=tl.CaptureOptions(...) or the keyword options ({', '.join(sorted(given))}), "
+                "not both"
+            )
+        return options
+    return base.updated(**given) if given else base
 
 
 class Capture:
     """A capture window: records every op run inside ``with``; the result is ``.trace``.
+
+    Takes the options of :class:`tl_dist.CaptureOptions`, as ``options=`` or as keywords (``save=``, ...).
 
     Example:
         >>> with tl.capture(save=tl.func("relu")) as cap:
@@ -44,50 +57,45 @@ class Capture:
 
     def __init__(
         self,
+        options: CaptureOptions | None = None,
         *,
-        save: Any = None,
-        keep_graph: bool = False,
-        source: bool = True,
         roots: list[tuple[str, torch.nn.Module]] | None = None,
-        save_grads: Any = None,
-        stats: Any = None,
+        **keywords: Any,
     ) -> None:
-        self.save = check_selection(save, "save")
-        self.save_grads = check_selection(save_grads, "save_grads")
-        self.stats = check_selection(stats, "stats")
-        if not isinstance(keep_graph, bool):
-            raise ValueError(f"keep_graph must be a bool, got {keep_graph!r}")
-        if not isinstance(source, bool):
-            raise ValueError(f"source must be a bool, got {source!r}")
-        self.keep_graph = keep_graph
-        self.source = source
+        unknown = sorted(set(keywords) - set(_OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"Capture() got unexpected options {unknown}; options: {list(_OPTION_NAMES)}")
+        self.options = resolve_options(options, keywords, CaptureOptions())
         self._roots = roots or []
         self.trace: Trace | None = None
-        self._window: Any = None  # arm.Window when tl.arm() is active: writes the shard on exit
+        self._window: Any = None  # the armed session's window, when armed: it takes the trace on exit
         self._recorder: Recorder | None = None
-        self._mode: _CaptureMode | None = None
+        self._mode: CaptureMode | None = None
 
     def __enter__(self) -> Capture:
-        if _active:
+        if ACTIVE:
             raise TlDistError("a tl_dist capture is already active in this process; captures do not nest")
+        opts = self.options
         recorder = self._recorder = Recorder(
-            save=self.save,
-            keep_graph=self.keep_graph,
-            source=self.source,
+            save=opts.save,
+            keep_graph=opts.keep_graph,
+            source=opts.source,
             roots=self._roots,
-            save_grads=self.save_grads,
-            stats=self.stats,
+            save_grads=opts.save_grads,
+            stats=opts.stats,
         )
         recorder.modules.install()
+        recorder.phases.install()
         recorder.training.install()
-        self._mode = _CaptureMode(recorder)
+        self._mode = CaptureMode(recorder)
         try:
             self._mode.__enter__()
         except BaseException:
             recorder.modules.uninstall()
-            recorder.training.uninstall()
+            recorder.phases.uninstall()
             raise
-        _active.append(self)
+        ACTIVE.append(self)
+        self._start_ns = time.time_ns()
         # Saved outputs add many small containers; letting the cyclic GC walk them mid-forward costs more
         # than the whole capture. It is switched back on (if it was on) when the window closes.
         self._gc_was_enabled = gc.isenabled()
@@ -96,18 +104,20 @@ class Capture:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         recorder = self._recorder
+        end_ns = time.time_ns()
         try:
             self._mode.__exit__(exc_type, exc, tb)
         finally:
-            _active.remove(self)
+            ACTIVE.remove(self)
             recorder.modules.uninstall()
             recorder.modules.close()
+            recorder.phases.uninstall()
             # tl.trace (roots given) keeps inert gradient hooks on the graph for trace.log_backward.
             recorder.training.uninstall(keep_node_hooks=bool(self._roots))
             if self._gc_was_enabled:
                 gc.enable()
         try:
-            self.trace = self._build_trace(output=None)
+            self.trace = self._build_trace(output=None, end_ns=end_ns)
         except Exception as build_error:
             if exc is None:
                 raise
@@ -120,75 +130,150 @@ class Capture:
             exc.tl_trace = self.trace
             if hasattr(exc, "add_note"):
                 where = recorder.failed_op
-                at = (
-                    f" at {where['func']} in {where['module'] or '<top>'} ({where['source']})"
-                    if where
-                    else ""
-                )
+                at = f" at {where['func']} in {module_name(where)} ({where['source']})" if where else ""
                 exc.add_note(
                     f"tl_dist: {len(self.trace)} ops captured before the error{at}; see exc.tl_trace"
                 )
+        else:
+            self._warn_unmatched()
         if self._window is not None:
             self._window.close(self, exc)
 
-    def _build_trace(self, output: Any) -> Trace:
+    def _build_trace(self, output: Any, end_ns: int | None = None) -> Trace:
         rec = self._recorder
         modules = rec.modules
         columns = rec.columns()
+        metadata: dict[str, Any] = {
+            "clock_offset_ns": rec.clock_offset_ns,
+            "window_start_ns": self._start_ns,
+            "window_end_ns": end_ns if end_ns is not None else time.time_ns(),
+        }
+        cuda = next((d for d in set(columns["device"]) if d.startswith("cuda")), None)
+        if cuda is not None:
+            metadata["device_name"] = torch.cuda.get_device_name(torch.device(cuda))
         return Trace(
             columns,
-            {name: list(col) for name, col in modules.calls.items()},
+            modules.calls,  # the tracker is done with it: no copy
             collective_table=rec.comm.columns(columns),
             saved=rec.saved,
             replay=rec.replay,
             output_of={i: tuple(a) for i, a in rec.output_of.items()},
             out_trees=modules.out_trees,
             output=output,
-            metadata={"clock_offset_ns": rec.clock_offset_ns},
+            metadata=metadata,
             failed_op=rec.failed_op,
             grads=rec.training.grads,
             stats_table=rec.training.finish(),
             recorder=rec,
         )
 
+    def _warn_unmatched(self) -> None:
+        """A selector that matched no op of a finished window is most likely misspelt (``tl.func("relux")``)."""
+        trace, opts = self.trace, self.options
+        if not len(trace):
+            return
+        found = {
+            "save": bool(trace.saved),
+            "save_grads": bool(trace.grads) or "backward" not in trace.columns["phase"],
+            "stats": bool(trace.stats_table["op"]),
+        }
+        for name, hit in found.items():
+            selector = getattr(opts, name)
+            if selector is None or selector is True or hit:
+                continue
+            if name == "stats" and any(selector.match(op) for op in trace):
+                continue  # matched ops without floating-point values: nothing to summarise, not a typo
+            warnings.warn(
+                f"tl_dist: {name}={selector!r} matched no op of this window ({len(trace)} ops); "
+                "check the names (trace.to_pandas() lists each op's func and module)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def detach_from_training(self) -> None:
+        """Before the trace leaves the training thread (a sink writes it later): copy the saved tensors that the
+        next steps may overwrite in place -- parameters, buffers and their gradients, optimizer state, DDP
+        buckets, anything an in-place op, a view or a collective returned -- so the sink sees the window's
+        values. Outputs of ordinary ops are fresh memory nobody writes again: they are not copied."""
+        trace = self.trace
+        if not trace.saved and not trace.grads:
+            return
+        persistent: set[int | None] = set()
+        rec = self._recorder
+        for mod in rec.modules.live_modules():
+            for t in (*mod._parameters.values(), *mod._buffers.values()):
+                if t is not None:
+                    persistent.add(storage_key(t))
+                    if t.grad is not None:
+                        persistent.add(storage_key(t.grad))
+        for optimizer in rec.phases.optimizers:
+            for state in optimizer.state.values():
+                persistent.update(storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+        persistent.discard(None)
+        cols = trace.columns
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            for index, outs in trace.saved.items():
+                fresh = not cols["inplace"][index] and cols["kind"][index] in ("compute", "factory")
+                for pos, t in enumerate(outs):
+                    if t is not None and not (fresh and storage_key(t) not in persistent):
+                        outs[pos] = t.clone()
+            for outs in trace.grads.values():
+                for pos, t in enumerate(outs):
+                    if t is not None and storage_key(t) in persistent:
+                        outs[pos] = t.clone()
+
 
 def capture(
     *,
-    save: Any = None,
-    keep_graph: bool = False,
-    source: bool = True,
+    options: CaptureOptions | None = None,
     step: int | None = None,
+    save: Any = None,
     save_grads: Any = None,
     stats: Any = None,
+    source: bool | None = None,
+    keep_graph: bool | None = None,
 ) -> Capture:
     """A window recording every op of arbitrary code: ``with tl.capture() as cap: ...``; then ``cap.trace``.
 
     Args:
-        save: which op outputs to keep: ``True`` all, ``None`` none (metadata only), or a selector. When
-            ``tl.arm`` is active, None takes the armed default.
-        keep_graph: keep saved outputs attached to autograd so a loss can be built from them.
-        source: record file:line of the user code issuing each op.
+        options: what the window records, a :class:`tl_dist.CaptureOptions`; or give its fields as the keywords
+            below (not both). When ``tl.arm`` is active, options not given take the armed defaults.
+        step: training step of the window. When armed, the window goes to the armed sinks (the shard writer
+            writes ``rank{RRRRR}/step{step:08d}.h5``; a window counter numbers it when None).
+        save: which op outputs to keep: ``True`` all, ``None`` none (metadata only), or a selector.
         save_grads: forward ops whose output gradient (of the loss backward runs on in the window) is kept:
             ``True``, ``None`` or a selector; ``trace["relu_2"].grad``.
         stats: ops whose output statistics (mean, std, min, max, L2 norm, zero fraction, NaN and Inf counts)
             are recorded, and their gradient's when backward runs: ``True`` (every forward op but views),
             ``None`` or a selector (any op, backward and optimizer ops included). See ``trace.stats_table``.
-        step: training step of the window. When armed (``tl.arm``) the window writes
-            ``rank{RRRRR}/step{step:08d}.h5`` on exit (numbered by a window counter when None).
+        source: record file:line of the user code issuing each op (default True).
+        keep_graph: keep saved outputs attached to autograd so a loss can be built from them (default False).
 
     Example:
         >>> with tl.capture(save=tl.func("relu")) as cap:
         ...     model(x).sum().backward()
         >>> cap.trace.to_pandas()
     """
-    window = _open_window(step)
-    if window is not None:
-        armed = window.armed
-        save = armed.save if save is None else save
-        save_grads = armed.save_grads if save_grads is None else save_grads
-        stats = armed.stats if stats is None else stats
-    cap = Capture(save=save, keep_graph=keep_graph, source=source, save_grads=save_grads, stats=stats)
-    cap._window = window
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    session = _session.current()
+    keywords = {
+        "save": save,
+        "save_grads": save_grads,
+        "stats": stats,
+        "source": source,
+        "keep_graph": keep_graph,
+    }
+    opts = resolve_options(options, keywords, session.options if session is not None else CaptureOptions())
+    if session is None and step is not None:
+        warnings.warn(
+            f"tl.capture(step={step}): the process is not armed, so nothing is written and no sink sees this "
+            "window (call tl.arm(out_dir) first); the trace is still cap.trace",
+            UserWarning,
+            stacklevel=2,
+        )
+    cap = Capture(opts)
+    cap._window = session.open_window(step) if session is not None else None
     return cap
 
 
@@ -234,14 +319,8 @@ def trace(
         args = (inputs,)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    cap = Capture(
-        save=save,
-        keep_graph=keep_graph,
-        source=source,
-        roots=[("", model)],
-        save_grads=save_grads,
-        stats=stats,
-    )
+    opts = CaptureOptions(save=save, save_grads=save_grads, stats=stats, source=source, keep_graph=keep_graph)
+    cap = Capture(opts, roots=[("", model)])
     with cap:
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output

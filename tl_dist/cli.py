@@ -2,12 +2,14 @@
 
 Example:
     $ tl-dist merge runs/job42 -o job42.h5     # exit code 1 when findings exist
-    $ tl-dist summary job42.h5                 # a merged file, a run directory or one shard
-    $ tl-dist draw runs/job42 -o job42.svg
+    $ tl-dist summary job42.h5                 # a merged file or a run directory
+    $ tl-dist summary runs/job42/rank00001/step00000100.h5   # one shard: that rank's trace
+    $ tl-dist draw runs/job42 -o job42.svg --phase backward
     $ tl-dist export runs/job42 --perfetto job42.json --step 100 --rank 0-7
+    $ tl-dist report runs/job42 -o job42.html
 
 Exit codes: 0 success, 1 findings exist (unless ``--no-fail``), 2 bad input (missing, unreadable or
-unmergeable shards; a message names the file).
+unmergeable shards; a message names the file). Output cut short by a closed pipe (``| head``) is no error.
 """
 
 from __future__ import annotations
@@ -15,25 +17,35 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .errors import TlDistError
+from .views.draw import DrawNote
+from .views.graph import PHASES
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
 
+# Library messages name Python arguments; the command's user knows the flags.
+_FLAGS = {"strict=False": "--lenient"}
+
+
 def _open(path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: Any = None) -> Any:
-    """A MergedTrace from a run directory, a merged ``.h5`` file, or a single shard (only ``steps`` / ``ranks``
-    when given)."""
+    """A MergedTrace from a run directory or a merged ``.h5`` file (only ``steps`` / ``ranks`` when given); a
+    Trace from one shard."""
     from .merge import load_merged, merge_ranks
+    from .store import load
 
     p = Path(path)
     if p.is_dir():
         return merge_ranks(p, strict=strict, progress=progress, steps=steps, ranks=ranks)
     if not p.exists():
-        raise TlDistError(f"{path}: no such file or directory (expected a run directory or a merged .h5)")
+        raise TlDistError(
+            f"{path}: no such file or directory (expected a run directory, a merged .h5 or a shard)"
+        )
     import h5py
 
     try:
@@ -43,8 +55,12 @@ def _open(path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: 
         raise TlDistError(f"{path}: not a readable HDF5 file: {exc}") from exc
     if merged:
         return load_merged(p, steps=steps, ranks=ranks)
-    # One shard: the other ranks of its world are reported as missing_rank findings rather than refused.
-    return merge_ranks([p], strict=False, progress=progress, steps=steps, ranks=ranks)
+    if steps is not None or ranks is not None:
+        raise TlDistError(
+            f"{path}: --step / --rank select part of a run directory or a merged .h5; this is one shard "
+            "(one rank's step)"
+        )
+    return load(p)
 
 
 def _int_list(text: str) -> list[int]:
@@ -64,12 +80,25 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _depth(text: str) -> int | str | None:
+    if text in ("auto", "all"):
+        return None if text == "all" else "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, all or a non-negative int; got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tl-dist",
         description="Merge tl_dist shards across ranks and inspect the global trace.",
         epilog="Exit codes: 0 ok, 1 findings exist (see --no-fail), 2 bad input.",
     )
+    parser.add_argument("--version", action="version", version=f"tl-dist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -91,16 +120,60 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", help="merge a run's shards, print the findings, optionally save the result")
     common(p)
     p.add_argument("-o", "--output", help="write the merged trace here (.h5; reopen with tl.load_merged)")
-    p = sub.add_parser("summary", help="print the merged summary: findings, stragglers, time per rank")
+    p = sub.add_parser(
+        "summary", help="print the summary: findings, stragglers, time per rank (one shard: its ops)"
+    )
     common(p)
-    p = sub.add_parser("draw", help="draw the global graph with Graphviz")
+    p = sub.add_parser("draw", help="draw the graph with Graphviz")
     common(p)
     p.add_argument("-o", "--output", required=True, help="image file; the format follows its extension")
-    p.add_argument("--depth", type=int, default=1, help="collapse module calls deeper than this (default 1)")
-    p = sub.add_parser("export", help="export the merged trace")
+    p.add_argument(
+        "--depth",
+        type=_depth,
+        default="auto",
+        help="collapse module calls deeper than this; auto (default): when over ~300 nodes; all: every op",
+    )
+    p.add_argument("--phase", action="append", choices=PHASES, help="draw only this phase's ops (repeatable)")
+    p.add_argument("--show-all", action="store_true", help="also draw views, detach, allocations, markers")
+    p = sub.add_parser("report", help="write a self-contained HTML report (needs tl_dist[report])")
+    common(p)
+    p.add_argument("-o", "--output", required=True, help="the .html file to write")
+    p = sub.add_parser("export", help="export the trace")
     common(p)
     p.add_argument("--perfetto", required=True, help="Chrome/Perfetto trace JSON file to write")
     return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _run(args: argparse.Namespace, target: Any) -> None:
+    """Carry out ``args.command`` on a MergedTrace or (one shard) a Trace."""
+    if args.command == "merge":
+        print(repr(target))
+        for f in getattr(target, "findings", ()):
+            print(f"  {'' if f.primary else '(consequence) '}{f}")
+        if args.output:
+            print(f"wrote {target.save(args.output)}")
+    elif args.command == "summary":
+        print(target.summary())
+    elif args.command == "draw":
+        fmt = os.path.splitext(args.output)[1].lstrip(".") or "svg"
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always", DrawNote)
+            path = target.draw(
+                args.output, format=fmt, depth=args.depth, phase=args.phase, show_all=args.show_all
+            )
+        print(f"wrote {path}")
+        for note in notes:
+            print(f"tl-dist: note: {note.message}", file=sys.stderr)
+    elif args.command == "report":
+        print(f"wrote {target.report(args.output)}")
+    elif args.command == "export":
+        print(f"wrote {target.to_perfetto(args.perfetto)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,26 +181,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     progress = not args.quiet and sys.stderr.isatty()
     try:
-        g = _open(args.path, strict=not args.lenient, progress=progress, steps=args.step, ranks=args.rank)
-        if args.command == "merge":
-            print(repr(g))
-            for f in g.findings:
-                print(f"  {'' if f.primary else '(consequence) '}{f}")
-            if args.output:
-                print(f"wrote {g.save(args.output)}")
-        elif args.command == "summary":
-            print(g.summary())
-        elif args.command == "draw":
-            fmt = os.path.splitext(args.output)[1].lstrip(".") or "svg"
-            print(f"wrote {g.draw(args.output, format=fmt, depth=args.depth)}")
-        elif args.command == "export":
-            print(f"wrote {g.to_perfetto(args.perfetto)}")
+        target = _open(
+            args.path, strict=not args.lenient, progress=progress, steps=args.step, ranks=args.rank
+        )
+        if args.command == "merge" and not hasattr(target, "findings"):
+            # One shard merged: the other ranks of its world are reported as missing_rank findings.
+            from .merge import merge_ranks
+
+            target = merge_ranks([args.path], strict=False, progress=progress)
+        _run(args, target)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped (`| head`): not an error. Point stdout at /dev/null so the interpreter's final
+        # flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     except (TlDistError, ValueError) as exc:
-        print(f"tl-dist: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        for python, flag in _FLAGS.items():
+            message = message.replace(python, flag)
+        print(f"tl-dist: error: {message}", file=sys.stderr)
         return EXIT_ERROR
-    if g.findings and not args.no_fail:
+    findings = getattr(target, "findings", ())
+    if findings and not args.no_fail:
         print(
-            f"tl-dist: {len(g.findings)} finding(s); exit code {EXIT_FINDINGS} (--no-fail to ignore)",
+            f"tl-dist: {len(findings)} finding(s); exit code {EXIT_FINDINGS} (--no-fail to ignore)",
             file=sys.stderr,
         )
         return EXIT_FINDINGS

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ._common import FIELD_INDEX, device_name, dtype_name
 from ._common import OWN_DIR as _OWN_DIR
 from ._common import TAG as _TAG
 from ._common import TORCH_DIR as _TORCH_DIR
@@ -388,16 +389,14 @@ class CollectiveLog:
     def _retag(self, recorder: Any, index: int, data_outs: list[Tensor]) -> list[Tensor]:
         """Tag the tensors the collective wrote (c10d returns some only through its arguments) and fix the
         op row's output columns to describe them."""
-        from ._recorder import _FIELD_INDEX, _device_name, _dtype_name
-
         token = recorder.token
         for pos, t in enumerate(data_outs):
             setattr(t, _TAG, (token, index, pos))
         row = list(recorder.rows[index])
-        row[_FIELD_INDEX["out_shapes"]] = tuple([tuple(t.shape) for t in data_outs])
-        row[_FIELD_INDEX["dtype"]] = _dtype_name(data_outs[0].dtype)
-        row[_FIELD_INDEX["device"]] = _device_name(data_outs[0].device)
-        row[_FIELD_INDEX["out_bytes"]] = sum(t.numel() * t.element_size() for t in data_outs)
+        row[FIELD_INDEX["out_shapes"]] = tuple([tuple(t.shape) for t in data_outs])
+        row[FIELD_INDEX["dtype"]] = dtype_name(data_outs[0].dtype)
+        row[FIELD_INDEX["device"]] = device_name(data_outs[0].device)
+        row[FIELD_INDEX["out_bytes"]] = sum(t.numel() * t.element_size() for t in data_outs)
         recorder.rows[index] = tuple(row)
         return data_outs
 

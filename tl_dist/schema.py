@@ -49,7 +49,10 @@ OP_FIELDS: tuple[Field, ...] = (
         "`compute`, `view`, `factory` (no tensor inputs), `collective` or `other` (no tensor out).",
     ),
     Field(
-        "phase", "str", "`forward`, `backward` (run by the autograd engine) or `optimizer` (inside step())."
+        "phase",
+        "str",
+        "`forward`, `backward` (run by the autograd engine, and the loss seed), `optimizer` (inside step() or "
+        "zero_grad()) or `recompute` (torch.utils.checkpoint recomputing forward ops inside backward).",
     ),
     Field(
         "fwd_op",
@@ -57,13 +60,22 @@ OP_FIELDS: tuple[Field, ...] = (
         "For a backward op: index of the forward op whose autograd node it runs (its grad_fn); -1 otherwise.",
     ),
     Field(
-        "module", "str", "Address of the innermost module whose forward issued the op; '' outside any module."
+        "module",
+        "str",
+        "Address of the innermost module whose forward issued the op; for a backward op, that of the forward op "
+        "it differentiates (an AccumulateGrad op: the module owning the parameter); '' outside any module.",
     ),
-    Field("module_stack", "strs", "Addresses of the enclosing module calls, outermost first."),
+    Field(
+        "module_stack",
+        "strs",
+        "Addresses of the enclosing module calls, outermost first (a backward op: its forward op's); empty "
+        "outside every module.",
+    ),
     Field(
         "module_call",
         "int",
-        "Row in the trace's module-call table of the innermost call; -1 outside modules.",
+        "Row in the trace's module-call table of the innermost call; -1 outside modules and for backward and "
+        "recompute ops (they run outside the call; `module` says whose they are).",
     ),
     Field(
         "out_shapes",

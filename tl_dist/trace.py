@@ -10,13 +10,15 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+import os
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from .errors import SchemaError
+from .errors import SchemaError, TlDistError
 from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .selectors import Selector
 
@@ -288,19 +290,37 @@ class Trace:
         table = self.module_table["address"]
         return [ModuleCall(self, r) for r, a in enumerate(table) if address is None or a == address]
 
-    def module(self, address: str) -> ModuleCall:
-        """The first call of the module at ``address``.
+    def module(self, address: str, *, call: int | None = None) -> ModuleCall:
+        """One call of the module at ``address``: ``call`` (0 is the first), or the first call when omitted,
+        with a warning saying so when the module was called more than once.
 
         Example:
             >>> trace.module("layer1.0.conv1").out.shape
+            >>> trace.module("act", call=1).out   # the second call of a module used twice
         """
+        if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
+            raise ValueError(f"call must be None or a non-negative int (which call, from 0), got {call!r}")
         calls = self.module_calls(address)
         if not calls:
             known = sorted(set(self.module_table["address"]))
             close = difflib.get_close_matches(address, known, n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyError(f"module {address!r} was not called in this trace{hint}")
-        return calls[0]
+        if call is None:
+            if len(calls) > 1:
+                warnings.warn(
+                    f"trace.module({address!r}): the module was called {len(calls)} times; returning its first "
+                    f"call (call=0). Pass call=0..{len(calls) - 1} for another, or use "
+                    f"trace.module_calls({address!r}) for all",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return calls[0]
+        if call >= len(calls):
+            raise KeyError(
+                f"module {address!r} was called {len(calls)} time(s) in this trace; call={call} is none"
+            )
+        return calls[call]
 
     # -- queries and views -----------------------------------------------------------------------------------
     def select(self, selector: Selector) -> list[Op]:
@@ -351,12 +371,60 @@ class Trace:
 
         return summary(self, top=top)
 
-    def draw(self, path: str, *, format: str = "svg", depth: int | None = None) -> str:
-        """Render the op graph with graphviz, ops grouped in module clusters; modules deeper than ``depth``
-        collapse into one node. Returns the written file's path."""
+    def draw(
+        self,
+        path: str,
+        *,
+        format: str = "svg",
+        depth: int | str | None = "auto",
+        phase: str | Sequence[str] | None = None,
+        show_all: bool = False,
+    ) -> str:
+        """Render the op graph with Graphviz: ops in module clusters, input, parameter and output nodes;
+        modules deeper than ``depth`` collapse into one node (``"auto"``: when over ~300 nodes); ``phase``
+        keeps one phase's ops; bookkeeping ops (views, ``detach``, allocations) only with ``show_all``.
+        Returns the written file's path (see :func:`tl_dist.views.draw.draw`).
+
+        Example:
+            >>> trace.draw("graph.svg", phase="forward")
+        """
         from .views.draw import draw
 
-        return draw(self, path, format=format, depth=depth)
+        return draw(self, path, format=format, depth=depth, phase=phase, show_all=show_all)
+
+    def to_perfetto(self, path: str | os.PathLike) -> str:
+        """Write a Chrome/Perfetto trace JSON: ops as slices on one track per phase inside their module calls'
+        slices, collectives in flight on their own track, and a counter of live activation bytes. Returns
+        ``path`` (see :mod:`tl_dist.views.perfetto`).
+
+        Example:
+            >>> trace.to_perfetto("step.json")   # open in https://ui.perfetto.dev
+        """
+        from .views.perfetto import to_perfetto
+
+        return to_perfetto(self, path)
+
+    def report(self, path: str | os.PathLike, *, title: str | None = None) -> str:
+        """Write a self-contained HTML report of this trace (time per module and op, collectives, statistics;
+        needs the ``tl_dist[report]`` extra). Returns ``path`` (see :func:`tl_dist.report.write_report`).
+
+        Example:
+            >>> tl.trace(model, x).report("model.html")
+        """
+        from .report import write_report
+
+        return write_report(self, path, title=title)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write this trace as one HDF5 shard that ``tl.load`` and the ``tl-dist`` command read (no ``tl.arm``
+        needed); the file is replaced atomically. Returns ``path`` as a string.
+
+        Example:
+            >>> tl.trace(model, x).save("model.h5"); tl.load("model.h5")["relu_1"].out
+        """
+        from .store.writer import write_shard
+
+        return os.fspath(write_shard(self, path, complete=bool(self.metadata.get("complete", True))))
 
     def log_backward(self, loss: torch.Tensor) -> Trace:
         """Run ``loss.backward()`` and record its ops (and gradients, per ``save_grads``) into this trace.
@@ -369,12 +437,21 @@ class Trace:
             >>> trace.log_backward(loss_fn(trace.output, y))
             >>> trace["relu_2"].grad
         """
-        from .training import log_backward
+        if self._recorder is None:
+            raise TlDistError(
+                "log_backward needs a trace recorded in this process by tl.trace or tl.capture; "
+                "a trace loaded from a shard cannot run backward"
+            )
+        for name, table in self._recorder.log_backward(loss).items():
+            setattr(self, name, table)
+        self._labels = None
+        self._children = None
+        return self
 
-        return log_backward(self, loss)
-
-    def first_nonfinite(self) -> Op | None:
-        """The first op, in execution order, whose output or gradient held NaN or Inf (None if none did).
+    def first_nonfinite(self, *, forward_inf: bool = False) -> Op | None:
+        """The first op, in the order values were computed, whose output or gradient held a non-finite value
+        (None if none did): NaN anywhere, +-Inf in gradients, and +-Inf in forward values only with
+        ``forward_inf=True`` (attention masks fill scores with -inf on purpose).
 
         Uses the ``stats=`` table; without it, the saved outputs and gradients. The op's ``.module`` and
         ``.source`` say where it ran.
@@ -386,7 +463,10 @@ class Trace:
         """
         from .training import first_nonfinite
 
-        return first_nonfinite(self)
+        if not isinstance(forward_inf, bool):
+            raise ValueError(f"forward_inf must be a bool, got {forward_inf!r}")
+        index = first_nonfinite(self, forward_inf=forward_inf)
+        return None if index is None else Op(self, index)
 
     def validate(self, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5) -> Any:
         """Re-execute every saved op from its parents' saved outputs and check it reproduces its saved output."""

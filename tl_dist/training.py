@@ -3,7 +3,7 @@
 The recorder owns one :class:`TrainingState`. It touches the per-op hot path in three cheap places:
 
 - ``phase`` comes from one C call (``torch._C._current_graph_task_id()``: not -1 while the autograd engine runs
-  a graph task) plus an attribute the optimizer step hooks set (``recorder.phase``).
+  a graph task) plus an attribute the optimizer step hooks set (``recorder.phase``); see ``_phases``.
 - A forward op's outputs get their ``grad_fn`` only after the dispatch mode returns (autograd sets history
   above it), so the recorder parks them in ``recorder.pending`` and :meth:`TrainingState.link_pending` reads
   their ``grad_fn`` at the next dispatch. The node's ``metadata`` dict then carries ``(token, op index)``;
@@ -17,10 +17,8 @@ The recorder owns one :class:`TrainingState`. It touches the per-op hot path in 
 Statistics are reductions kept as small device tensors and moved to the host once, when the window ends, so
 there is no host sync per op. See :data:`tl_dist.schema.STAT_FIELDS` for the columns.
 
-NB: inside a ``tl.capture`` window the seed gradient ``ones_like`` that ``loss.backward()`` makes before the
-engine starts, and the profiler's ``_record_function_enter_new``/``_exit`` around ``optimizer.step()``, run
-outside both the engine and the step hooks, so they get phase ``forward``. ``trace.log_backward`` marks
-everything it runs ``backward``.
+A backward op is attributed to the module of the forward op it differentiates (its ``module`` and
+``module_stack`` are that op's); an ``AccumulateGrad`` op to the module owning the parameter.
 """
 
 from __future__ import annotations
@@ -30,14 +28,14 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ._common import RowView
 from .errors import TlDistError
 from .schema import OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 
 if TYPE_CHECKING:
     from ._recorder import Recorder
-    from .trace import Op, Trace
+    from .trace import Trace
 
 Tensor = torch.Tensor
 _KEY = "_tl_src"  # key in an autograd node's metadata: (capture token, forward op index)
@@ -181,28 +179,14 @@ class TrainingState:
         self.stats_table = empty_columns(STAT_FIELDS)
         self.open = True  # gradient hooks act only while a window (or log_backward) is running
         self._node_handles: list[Any] = []
-        self._opt_handles: list[Any] = []
 
     # -- window -------------------------------------------------------------------------------------------
     def install(self) -> None:
-        """Global optimizer step hooks: ops inside ``optimizer.step()`` get phase ``optimizer``."""
-        rec = self.rec
-
-        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-            rec.phase = "optimizer"
-
-        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
-            rec.phase = "forward"
-
-        self._opt_handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        """Gradient hooks act from now on (until :meth:`uninstall`)."""
         self.open = True
 
     def uninstall(self, *, keep_node_hooks: bool = False) -> None:
-        """Removes the optimizer hooks and links the last op; node hooks stay (inert) only for log_backward."""
-        for handle in self._opt_handles:
-            handle.remove()
-        self._opt_handles = []
-        self.rec.phase = "forward"
+        """Links the last op; node hooks are removed, or stay (inert) only for log_backward."""
         if self.rec.pending is not None:
             self.link_pending()
         self.open = False
@@ -243,8 +227,6 @@ class TrainingState:
     def out_stats(self, index: int, outs: list[Tensor], row: tuple) -> None:
         """Statistics of op ``index``'s first floating-point output, if the op is selected."""
         if not self.stats_all:
-            from ._recorder import RowView
-
             if not self.stats_selector.match(RowView(row)):
                 return
         elif not _stats_by_default(row):
@@ -304,8 +286,6 @@ class TrainingState:
         """(keep the gradient, record its statistics) for forward op ``index``."""
         keep, stats = self.grads_all, self.stats_all and _stats_by_default(self.rec.rows[index])
         if not (keep and stats):
-            from ._recorder import RowView
-
             view = RowView(self.rec.rows[index], tuple(self.rec.output_of.get(index, ())))
             keep = keep or (self.grads_selector is not None and self.grads_selector.match(view))
             stats = stats or (self.stats_selector is not None and self.stats_selector.match(view))
@@ -336,7 +316,7 @@ class TrainingState:
                         saved[pos] = g.detach() if g.requires_grad else g
                         # An in-place write later in the window (grad accumulation into .grad) must not
                         # change the stored gradient: copy-before-write, as for saved outputs.
-                        rec._watch(g, (index, 2, pos))
+                        rec.watch(g, (index, 2, pos))
                     if stats and pos == first:  # statistics of the first output's gradient, as for outputs
                         values = tensor_stats(g)
                         if values is not None:
@@ -345,73 +325,41 @@ class TrainingState:
         return hook
 
 
-# -- trace-side API -------------------------------------------------------------------------------------------
-def log_backward(trace: Trace, loss: Tensor) -> Trace:
-    """Runs ``loss.backward()`` under the trace's recorder; see :meth:`tl_dist.trace.Trace.log_backward`."""
-    from .capture import _active, _CaptureMode
-
-    rec = getattr(trace, "_recorder", None)
-    if rec is None:
-        raise TlDistError(
-            "log_backward needs a trace recorded in this process by tl.trace or tl.capture; "
-            "a trace loaded from a shard cannot run backward"
-        )
-    if not isinstance(loss, Tensor):
-        raise ValueError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
-    if not loss.requires_grad:
-        raise ValueError(
-            "loss must require grad: build it from trace.output (or keep_graph=True activations) "
-            "with autograd enabled, not under torch.no_grad()"
-        )
-    if _active:
-        raise TlDistError("log_backward cannot run inside an active tl_dist capture window")
-    training = rec.training
-    mode = _CaptureMode(rec)
-    training.open = True
-    # Everything loss.backward() dispatches is backward here, the seed gradient (ones_like) included.
-    rec.phase = "backward"
-    try:
-        with mode:
-            loss.backward()
-    finally:
-        training.open = False
-        rec.phase = "forward"
-    trace.columns = rec.columns()
-    trace.collective_table = rec.comm.columns(trace.columns)  # DDP's bucket all-reduces run in backward
-    trace._labels = None
-    trace._children = None
-    trace.grads = training.grads
-    trace.stats_table = training.finish()
-    return trace
-
-
-def first_nonfinite(trace: Trace) -> Op | None:
-    """The first op, in execution order, whose output or gradient held NaN or Inf; None if none did."""
-    from .trace import Op
-
+# -- trace-side API (the Trace methods call these; this module never imports trace or capture) ---------
+def first_nonfinite(trace: Trace, *, forward_inf: bool = False) -> int | None:
+    """Index of the first op, in the order values were computed, whose output or gradient held a non-finite
+    value; None if none did. NaN counts everywhere, +-Inf in gradients (and in backward and optimizer ops'
+    outputs); +-Inf in forward values only with
+    ``forward_inf`` (attention masks fill scores with -inf on purpose: GPT-2's sdpa mask, T5's position
+    buckets)."""
     table = trace.stats_table
     if table["op"]:
         best: tuple[int, int] | None = None
-        for op, at, nan, inf in zip(table["op"], table["at"], table["nan"], table["inf"]):
-            if (nan or inf) and (best is None or at < best[0]):
+        phases = trace.columns["phase"]
+        for op, of, at, nan, inf in zip(table["op"], table["of"], table["at"], table["nan"], table["inf"]):
+            # A backward op's output is a gradient too; recomputation repeats forward values.
+            forward_value = of == "out" and phases[op] in ("forward", "recompute")
+            if (nan or (inf and (forward_inf or not forward_value))) and (best is None or at < best[0]):
                 best = (at, op)
-        return None if best is None else Op(trace, best[1])
+        return None if best is None else best[1]
     if not trace.saved and not trace.grads:
         raise TlDistError(
             "first_nonfinite needs values to inspect: capture with stats=True (cheap) or save=/save_grads="
         )
     # No statistics: inspect saved outputs in op order, then saved gradients (computed later, in backward).
     for index in sorted(trace.saved):
-        if any(_nonfinite(t) for t in trace.saved[index]):
-            return Op(trace, index)
+        if any(_nonfinite(t, inf=forward_inf) for t in trace.saved[index]):
+            return index
     for index in sorted(trace.grads, reverse=True):  # backward visits the last forward op first
-        if any(_nonfinite(t) for t in trace.grads[index]):
-            return Op(trace, index)
+        if any(_nonfinite(t, inf=True) for t in trace.grads[index]):
+            return index
     return None
 
 
-def _nonfinite(t: Tensor | None) -> bool:
-    return t is not None and t.dtype in _FLOATS and not bool(torch.isfinite(t).all())
+def _nonfinite(t: Tensor | None, *, inf: bool) -> bool:
+    if t is None or t.dtype not in _FLOATS:
+        return False
+    return not bool(torch.isfinite(t).all()) if inf else bool(torch.isnan(t).any())
 
 
 def op_stats(trace: Trace, index: int) -> dict[str, dict[str, float]]:

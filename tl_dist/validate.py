@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._common import fill_skeleton, flat_outputs
 from ._opinfo import mutated_tensors, op_info
-from ._recorder import fill_skeleton, flat_outputs
 from .errors import TlDistError, ValidationError
 
 if TYPE_CHECKING:

@@ -1,100 +1,100 @@
-"""Graphviz drawing of a merged trace: each rank's graph (as ``trace.draw`` lays it out, module collapsing
-included) in its own cluster, and every joined collective as an edge across the rank clusters, red when its
-verdict is not ``matched``."""
+"""Graphviz drawing of a merged trace: each (step, rank)'s graph, planned as ``trace.draw`` plans one (module
+collapsing, bookkeeping ops left out, inputs, parameters and outputs), in its own cluster, and every joined
+collective as an edge across the rank clusters, red when its verdict is not ``matched``."""
 
 from __future__ import annotations
 
 import os
-import re
-from typing import TYPE_CHECKING
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from ..views.draw import check_draw_options, graph_source, render
+from ..views.draw import DrawNote, check_format, dot_document, plan_lines, quote, render
+from ..views.graph import check_plan_options, plan_all
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
 
-_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*")')
-_IDENT = re.compile(r"\b(op\d+|m\d+|cluster_m\d+)\b")
-_DEFINED = re.compile(r"^\s*(op\d+|m\d+) \[")
+
+def _wanted(name: str, value: Any, known: list[int]) -> list[int]:
+    if value is None:
+        return known
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple, set)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise ValueError(f"{name} must be None, an int or a list of ints; got {value!r}")
+    unknown = sorted(set(values) - set(known))
+    if unknown or not values:
+        raise ValueError(f"{name}={value!r}: no shard for {name} {unknown or values}; the run has {known}")
+    return sorted(set(values))
 
 
-def _prefixed(source: str, prefix: str) -> tuple[list[str], set[str]]:
-    """The body of one rank's DOT source with every node and cluster name prefixed; and the node names."""
-    lines = source.strip().splitlines()[1:-1]  # drop "digraph trace {" and "}"
-    body, defined = [], set()
-    for line in lines:
-        if line.lstrip().startswith(("graph [", "node [", "edge [")):
-            continue
-        m = _DEFINED.match(line)
-        if m:
-            defined.add(m.group(1))
-        parts = _QUOTED.split(line)
-        parts[::2] = [
-            _IDENT.sub(
-                lambda mm: (
-                    f"{prefix}{mm.group(1)}"
-                    if not mm.group(1).startswith("cluster_")
-                    else f"cluster_{prefix}{mm.group(1)[8:]}"
-                ),
-                p,
-            )
-            for p in parts[::2]
-        ]
-        body.append("  " + "".join(parts))
-    return body, defined
+def merged_source(
+    g: MergedTrace,
+    *,
+    depth: int | str | None = "auto",
+    rank: int | Sequence[int] | None = None,
+    step: int | Sequence[int] | None = None,
+    phase: str | Sequence[str] | None = None,
+    show_all: bool = False,
+) -> str:
+    """The DOT source :meth:`MergedTrace.draw` lays out (see there for the options)."""
+    return _source(g, depth=depth, rank=rank, step=step, phase=phase, show_all=show_all)[0]
 
 
-def _node_of(op: int, defined: set[str], trace: object) -> str | None:
-    if f"op{op}" in defined:
-        return f"op{op}"
-    table = trace.module_table  # type: ignore[attr-defined]
-    for row, (first, end) in enumerate(zip(table["first_op"], table["end_op"])):
-        if first <= op < end and f"m{row}" in defined:
-            return f"m{row}"
-    return None
-
-
-def merged_source(g: MergedTrace, *, depth: int | None = 1) -> str:
-    """The DOT source :meth:`MergedTrace.draw` lays out."""
-    out = [
-        "digraph merged {",
-        # No newrank and no edge labels: with cross-cluster constraint=false edges either makes dot fail
-        # ("trouble in init_rank", "lost edge") on real multi-step graphs.
-        '  graph [rankdir=TB fontname="Helvetica" fontsize=11]',
-        '  node [shape=box style="rounded,filled" fontname="Helvetica" fontsize=10 margin="0.08,0.03"]',
-        '  edge [arrowsize=0.6 color="#555555"]',
-    ]
-    names: dict[tuple[int, int], tuple[str, set[str]]] = {}
-    for (step, rank), trace in sorted(g.traces().items()):
-        prefix = f"s{step}r{rank}_"
-        body, defined = _prefixed(graph_source(trace, depth=depth), prefix)
-        names[(step, rank)] = (prefix, defined)
-        out.append(f"  subgraph cluster_{prefix}rank {{")
-        out.append(f'    label="rank {rank} step {step}" style="bold" color="#1f4e79" fontsize=12')
-        out.extend("  " + line for line in body)
-        out.append("  }")
-    traces = g.traces()
-    for j in g.joined:
-        members = sorted(j.entries.items())
+def _source(
+    g: MergedTrace, *, depth: Any, rank: Any, step: Any, phase: Any, show_all: Any
+) -> tuple[str, str]:
+    phases = check_plan_options(depth, phase, show_all)
+    ranks = set(_wanted("rank", rank, g.ranks))
+    steps = _wanted("step", step, sorted({s for s, _ in g.keys()}))
+    keys = [key for key in g.keys() if key[0] in steps and key[1] in ranks]
+    traces = [g.rank(r, step=s) for s, r in keys]
+    plans, note = plan_all(traces, depth=depth, phases=phases, show_all=show_all)
+    body: list[str] = []
+    node_of: dict[tuple[int, int], list[str | None]] = {}
+    for (s, r), plan in zip(keys, plans):
+        prefix = f"s{s}r{r}_"
+        node_of[(s, r)] = [None if n is None else prefix + n for n in plan.node_of_op]
+        body.append(f"  subgraph cluster_{prefix}rank {{")
+        body.append(f'    label={quote(f"rank {r} step {s}")} style="bold" color="#1f4e79" fontsize=12')
+        body.extend(plan_lines(plan, prefix=prefix, indent="    "))
+        body.append("  }")
+    drawn_steps = sorted({s for s, _ in keys})
+    for j in (j for s in drawn_steps for j in g.joined_step(s)):
         nodes = []
-        for rank, e in members:
-            prefix, defined = names[(j.step, rank)]
-            node = _node_of(e.op, defined, traces[(j.step, rank)])
-            if node is not None:
-                nodes.append(prefix + node)
+        for r, e in sorted(j.entries.items()):
+            ops = node_of.get((j.step, r))
+            if ops is not None and 0 <= e.op < len(ops) and ops[e.op] is not None:
+                nodes.append(ops[e.op])
         colour = "#2e7d32" if j.verdict == "matched" else "#c62828"
         label = f"{j.func} #{j.seq}" + ("" if j.verdict == "matched" else f" {j.verdict}")
         for a, b in zip(nodes, nodes[1:]):
-            out.append(
-                f'  {a} -> {b} [dir=none constraint=false style=dashed penwidth=1.5 color="{colour}" '
-                f'tooltip="{label}"]'
+            body.append(
+                f"  {a} -> {b} [dir=none constraint=false style=dashed penwidth=1.5 color={quote(colour)} "
+                f"tooltip={quote(label)}]"
             )
-    out.append("}")
-    return "\n".join(out) + "\n"
+    # No newrank and no edge labels: with cross-cluster constraint=false edges either makes dot fail
+    # ("trouble in init_rank", "lost edge") on real multi-step graphs.
+    phases = set().union(*(p.phases_drawn for p in plans))
+    return dot_document("merged", body, note, newrank=False, phases=phases), note
 
 
-def draw(g: MergedTrace, path: str | os.PathLike, *, format: str = "svg", depth: int | None = 1) -> str:
-    """Lay out :func:`merged_source` with Graphviz's ``dot`` and write ``path`` (see ``trace.draw`` for
-    ``format`` and ``depth``). Returns ``path``."""
-    check_draw_options(format, depth)
-    return render(merged_source(g, depth=depth), path, format=format)
+def draw(
+    g: MergedTrace,
+    path: str | os.PathLike,
+    *,
+    format: str = "svg",
+    depth: int | str | None = "auto",
+    rank: int | Sequence[int] | None = None,
+    step: int | Sequence[int] | None = None,
+    phase: str | Sequence[str] | None = None,
+    show_all: bool = False,
+) -> str:
+    """Lay out :func:`merged_source` with Graphviz's ``dot`` and write ``path``. Returns ``path``."""
+    check_format(format)
+    source, note = _source(g, depth=depth, rank=rank, step=step, phase=phase, show_all=show_all)
+    if note:
+        warnings.warn(f"g.draw: {note}", DrawNote, stacklevel=3)
+    return render(source, path, format=format)

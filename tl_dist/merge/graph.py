@@ -117,12 +117,20 @@ class MergedTrace:
         """
         return {(s, r): self.rank(r, step=s) for s, r in self.keys()}
 
-    def iter_traces(self, *, step: int | None = None) -> Iterable[tuple[tuple[int, int], Trace]]:
+    def iter_traces(
+        self, *, step: int | None = None, fields: Iterable[str] | None = None
+    ) -> Iterable[tuple[tuple[int, int], Trace]]:
         """((step, rank), full trace) one at a time (of ``step`` only, when given), none kept: for passes over
-        big runs."""
+        big runs. ``fields``: a shard on disk is read for these op columns only (the others hold their kind's
+        empty value) besides its module, collective and statistics tables.
+
+        Example:
+            >>> for (step, rank), t in g.iter_traces(step=100, fields=["func", "duration_ns"]): ...
+        """
         for key in self.keys():
             if step is None or key[0] == step:
-                yield key, self._full.get(key) or self._source.trace(key)
+                full = self._full.get(key)
+                yield key, full if full is not None else self._source.trace(key, fields)
 
     def aligned_origin_ns(self) -> int:
         """The earliest op start of any rank and step on aligned clocks (the zero of Perfetto's time axis)."""
@@ -244,16 +252,30 @@ class MergedTrace:
 
         return summary(self)
 
-    def draw(self, path: str, *, format: str = "svg", depth: int | None = 1) -> str:
-        """Render one cluster per rank (modules deeper than ``depth`` collapsed) with collectives joined
-        across clusters. Returns the written file's path.
+    def draw(
+        self,
+        path: str,
+        *,
+        format: str = "svg",
+        depth: int | str | None = "auto",
+        rank: int | Sequence[int] | None = None,
+        step: int | Sequence[int] | None = None,
+        phase: str | Sequence[str] | None = None,
+        show_all: bool = False,
+    ) -> str:
+        """Render one cluster per (step, rank), each drawn as ``trace.draw`` draws one trace, with collectives
+        joined across clusters. ``rank`` and ``step`` pick the shards drawn (an int or a list); ``depth``,
+        ``phase`` and ``show_all`` as in :func:`tl_dist.views.draw.draw` (``"auto"`` counts the nodes of all
+        drawn shards together). Returns the written file's path.
 
         Example:
-            >>> g.draw("job42.svg")
+            >>> g.draw("job42.svg", step=100, phase="backward")
         """
         from .draw import draw
 
-        return draw(self, path, format=format, depth=depth)
+        return draw(
+            self, path, format=format, depth=depth, rank=rank, step=step, phase=phase, show_all=show_all
+        )
 
     def to_perfetto(self, path: str) -> str:
         """Write a Chrome/Perfetto trace JSON: one process per rank, ops as slices on aligned time, joined
@@ -265,6 +287,17 @@ class MergedTrace:
         from .perfetto import write_perfetto
 
         return write_perfetto(self, path)
+
+    def report(self, path: str | os.PathLike, *, title: str | None = None) -> str:
+        """Write a self-contained HTML report of the run (overview, timeline per rank, time per module and op,
+        collectives, findings, statistics; needs the ``tl_dist[report]`` extra). Returns ``path``.
+
+        Example:
+            >>> g.report("job42.html")   # opens offline in any browser
+        """
+        from ..report import write_report
+
+        return write_report(self, path, title=title)
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the merged trace as one HDF5 file (every rank's tables and the merge facts); reopen it with

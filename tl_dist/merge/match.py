@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any, NamedTuple
 
+from ..telemetry import module_name
+
 P2P_FUNCS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "recv_any_source": "recv"}
 VERDICTS = (
     "matched",
@@ -67,15 +69,21 @@ class Entry(NamedTuple):
     label: str
     module: str
     source: str
+    in_module: bool  # the op ran inside a module call (a non-empty module_stack): '' is then the root module
     key: tuple[int, int, int]
 
+    @property
+    def module_name(self) -> str:
+        """How views name the op's module: its address, ``<root>``, or ``(outside modules)``."""
+        return module_name({"module": self.module, "module_stack": self.in_module})
+
     def where(self) -> dict[str, Any]:
-        """The op's place in the model, for findings."""
+        """The op's place in the model, for findings (``module`` as views name it, see :attr:`module_name`)."""
         return {
             "op": self.op,
             "label": self.label,
             "func": self.func,
-            "module": self.module,
+            "module": self.module_name,
             "source": self.source,
             "seq": self.seq,
             "state": self.state,
@@ -425,7 +433,7 @@ def _findings(
         for r in slot.missing:
             where[r] = {"absent": True, **{f"last_{k}": v for k, v in last_op.get(r, {}).items()}}
         first = next(iter(slot.entries.values()))
-        at = f"{first.label} in {first.module or '<top>'} ({first.source or 'no source'})"
+        at = f"{first.label} in {first.module_name} ({first.source or 'no source'})"
         kind = "p2p " if slot.p2p else ""
         message = f"{kind}{slot.func} seq {slot.seq} of group {list(slot.group)} at {at}: {slot.detail}"
         for r in slot.missing:

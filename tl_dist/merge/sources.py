@@ -10,10 +10,11 @@ integer ids.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..errors import MergeError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
+from ..telemetry import module_name
 from .match import Entry
 from .timing import local_breakdown
 
@@ -189,6 +191,7 @@ def read_rank(
         return names.ids(codes, strings if tables[name] is None else tables[name])
 
     data.n_ops = n
+    in_module = _in_module(root["ops"], n, ops, op_tables, ids) if n else np.zeros(0, dtype=bool)
     if n:
         starts, durations = ops["start_ns"], ops["duration_ns"]
         is_coll = ids(ops, op_tables, "kind") == names.id("collective")
@@ -197,10 +200,11 @@ def read_rank(
         data.local = local_breakdown(is_coll, starts, durations, async_spans)
         data.first_ns = int(starts.min())
         last = np.array([n - 1])
+        module = names.strings[int(ids(ops, op_tables, "module", last)[0])]
         data.last_op = {
             "op": n - 1,
             "label": names.strings[int(ids(ops, op_tables, "label", last)[0])],
-            "module": names.strings[int(ids(ops, op_tables, "module", last)[0])],
+            "module": module_name({"module": module, "module_stack": bool(in_module[-1])}),
             "source": names.strings[int(ids(ops, op_tables, "source", last)[0])],
         }
     if failed_op:
@@ -241,11 +245,28 @@ def read_rank(
                 names.text(where["label"]),
                 names.text(where["module"]),
                 names.text(where["source"]),
+                (in_module[at] & valid).tolist() if n else [False] * m,
                 keys,
             ),
         )
     )
     return data
+
+
+def _in_module(
+    ops: h5py.Group, n: int, arrays: dict, tables: dict, ids: Callable[[dict, dict, str], np.ndarray]
+) -> np.ndarray:
+    """Per op whether it ran inside a module call (a non-empty ``module_stack``), from that column's offsets
+    alone; a shard without the column: whether it names a module."""
+    import h5py
+
+    from ..store.codecs import _read_dataset
+
+    node = ops.get("module_stack")
+    offsets = _read_dataset(node, "offsets") if isinstance(node, h5py.Group) else None
+    if offsets is None or len(offsets) != n + 1:
+        return ids(arrays, tables, "module") != 0  # id 0 is ""
+    return np.diff(offsets) > 0
 
 
 def _groups(collectives: h5py.Group, group_names: np.ndarray) -> list[tuple[int, ...]]:
@@ -290,11 +311,13 @@ class ShardSource:
                     )
             return read_rank(root, metadata, failed_op, strings, names, key)
 
-    def trace(self, key: tuple[int, int]) -> Trace:
-        """The full trace of one shard (saved tensors read lazily, on first access)."""
-        from ..store import load
+    def trace(self, key: tuple[int, int], fields: Iterable[str] | None = None) -> Trace:
+        """The full trace of one shard (saved tensors read lazily, on first access); with ``fields``, only those
+        op columns (``store.hdf5.load_columns``)."""
+        from ..store.hdf5 import load, load_columns
 
-        return load(self.refs[key].path)
+        path = self.refs[key].path
+        return load(path) if fields is None else load_columns(path, fields)
 
 
 class MergedFileSource:
@@ -324,7 +347,8 @@ class MergedFileSource:
         except Exception as exc:  # noqa: BLE001 - any decoding failure is a format problem of this file
             raise ShardFormatError(f"{self.name(key)}: corrupt merged-trace group: {exc}") from exc
 
-    def trace(self, key: tuple[int, int]) -> Trace:
+    def trace(self, key: tuple[int, int], fields: Iterable[str] | None = None) -> Trace:
+        """The stored tables of one (step, rank) as a trace (all its op columns: ``fields`` is not needed)."""
         from ..schema import MODULE_CALL_FIELDS
         from ..store.codecs import read_table
         from ..trace import Trace
@@ -338,3 +362,38 @@ class MergedFileSource:
                 metadata=json.loads(grp.attrs["metadata"]),
                 failed_op=json.loads(grp.attrs["failed_op"]),
             )
+
+
+class TraceSource:
+    """Traces already in memory, keyed by (step, rank), merged as shards are: each is written once to an
+    in-memory HDF5 file with the store's codecs and read back by the merge's own reader, so both take one path.
+
+    Example:
+        >>> g = build(TraceSource(traces), sorted(traces), world_size=2, strict=True)
+    """
+
+    def __init__(self, traces: dict[tuple[int, int], Trace]) -> None:
+        import h5py
+
+        from ..schema import MODULE_CALL_FIELDS
+        from ..store.codecs import ShardOptions, write_table
+
+        self.traces = dict(traces)
+        self._file = h5py.File(io.BytesIO(), "w")
+        options = ShardOptions()
+        for (step, rank), trace in sorted(self.traces.items()):
+            grp = self._file.create_group(f"s{step}_r{rank}")
+            write_table(grp, "ops", OP_FIELDS, trace.columns, options)
+            write_table(grp, "modules", MODULE_CALL_FIELDS, trace.module_table, options)
+            write_table(grp, "collectives", COLLECTIVE_FIELDS, trace.collective_table, options)
+
+    def name(self, key: tuple[int, int]) -> str:
+        return f"trace of rank {key[1]} step {key[0]} (in memory)"
+
+    def read(self, key: tuple[int, int], names: Interner) -> RankData:
+        trace = self.traces[key]
+        grp = self._file[f"s{key[0]}_r{key[1]}"]
+        return read_rank(grp, dict(trace.metadata), trace.failed_op, None, names, key)
+
+    def trace(self, key: tuple[int, int], fields: Iterable[str] | None = None) -> Trace:
+        return self.traces[key]

@@ -12,6 +12,7 @@ have no uncertainty between them. Computed for a whole step at once, on :class:`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,17 @@ def step_timing(joined: list[Joined], clocks: ClockSolution, members: Members | 
     )
 
 
+def member_waits(joined: list[Joined], timing: StepTiming) -> Iterator[tuple[int, int, Any, int]]:
+    """``(collective index, rank, that member's Entry, its wait ns)`` for every member row of a step's timing, in
+    the rows' order (``Members.of``: each collective's entries in their dict order)."""
+    wait = timing.wait.tolist()
+    row = 0
+    for k, j in enumerate(joined):
+        for rank, entry in j.entries.items():
+            yield k, rank, entry, wait[row]
+            row += 1
+
+
 def straggler_rows(step: int, joined: list[Joined], st: StepTiming) -> list[dict[str, Any]]:
     """Per rank of one step: the time others waited for it (as last arriver), how often it was last, its own
     wait, and its waits within the clock uncertainty. Waits are intervals [own arrival, last arrival];
@@ -183,3 +195,24 @@ def breakdown_row(
         "wait_ns": wait_ns,
         "window_ns": window,
     }
+
+
+def trace_breakdown(step: int, rank: int, trace: Any, wait_ns: int = 0) -> dict[str, Any]:
+    """:func:`breakdown_row` of one trace in memory (its columns as lists), e.g. for a one-trace report."""
+    cols = trace.columns
+    ct = trace.collective_table
+    is_async = np.asarray(ct["is_async"], dtype=bool)
+    complete = np.asarray(ct["complete_ns"], dtype=np.int64)
+    spans = is_async & (complete >= 0)
+    async_spans = (
+        np.asarray(ct["op"], dtype=np.int64)[spans],
+        np.asarray(ct["issue_ns"], dtype=np.int64)[spans],
+        complete[spans],
+    )
+    local = local_breakdown(
+        np.array([k == "collective" for k in cols["kind"]], dtype=bool),
+        np.asarray(cols["start_ns"], dtype=np.int64),
+        np.asarray(cols["duration_ns"], dtype=np.int64),
+        async_spans,
+    )
+    return breakdown_row(step, rank, len(trace), local, wait_ns)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..schema import OP_FIELDS
+from ..views.summary import NO_MODULE
 from .match import Joined
 from .timing import StepTiming
 
@@ -167,14 +168,14 @@ def _where_lines(f: Any) -> list[str]:
         if w.get("absent"):
             last = w.get("last_label")
             line = f"      rank {r}: did not issue it" + (
-                f"; last op {last} in {w.get('last_module') or '<top>'} ({w.get('last_source')})"
+                f"; last op {last} in {w.get('last_module') or NO_MODULE} ({w.get('last_source')})"
                 if last
                 else ""
             )
         else:
             line = (
                 f"      rank {r}: {w['label']} seq {w['seq']} {w['state']} in "
-                f"{w['module'] or '<top>'} ({w['source'] or 'no source'})"
+                f"{w['module'] or NO_MODULE} ({w['source'] or 'no source'})"
             )
         if w.get("stack_at"):
             line += f"; thread at {w['stack_at']}"

@@ -5,19 +5,22 @@ The DOT text is built directly as a string (one pass over the ops and module cal
 layout itself is what costs.
 
 Example:
-    >>> trace.draw("graph.svg")                      # every op, clusters for every module call
+    >>> trace.draw("graph.svg")                      # every op, or collapsed modules past ~300 nodes
     >>> trace.draw("top.png", format="png", depth=1)  # module calls below depth 1 as one node each
+    >>> trace.draw("fwd.svg", phase="forward", show_all=True)  # forward ops only, views included
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import graphviz
 
 from ..errors import MissingToolError, TlDistError
-from .summary import format_count, format_ns, format_shape
+from .graph import GraphPlan, Node, check_plan_options, plan_all
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -29,140 +32,122 @@ _KIND_COLOURS = {
     "factory": "#e3f1dc",
     "other": "#ffffff",
 }
-_COLLAPSED_COLOUR = "#f3e3f7"
+_PHASE_BORDER = {"forward": "#555555", "backward": "#b35900", "optimizer": "#6a1b9a", "recompute": "#2e7d32"}
+_BORDER_NAMES = {"backward": "orange", "optimizer": "purple", "recompute": "green"}
+_NODE_STYLE = {
+    "module": 'shape=box3d fillcolor="#f3e3f7"',
+    "params": 'shape=note fillcolor="#fff8dc" fontsize=9',
+    "input": 'shape=oval fillcolor="#c8e6c9"',
+    "output": 'shape=oval fillcolor="#ffcdd2"',
+}
+HEADER = (
+    '  node [shape=box style="rounded,filled" fontname="Helvetica" fontsize=10 margin="0.08,0.03"]',
+    '  edge [arrowsize=0.6 color="#555555"]',
+)
 
 
-def _quote(text: str) -> str:
-    # A DOT double-quoted string: backslash and quote escaped; newlines become DOT's centred line break.
+def quote(text: str) -> str:
+    """A DOT double-quoted string: backslash and quote escaped; newlines become DOT's centred line break."""
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def _call_title(address: str, mtype: str, call: int) -> str:
-    name = address or "<root>"
-    return f"{name} ({mtype})" + (f" call {call}" if call else "")
+def _node_line(node: Node, prefix: str) -> str:
+    if node.kind == "op":
+        style = f"fillcolor={quote(_KIND_COLOURS.get(node.op_kind, '#ffffff'))}"
+        if node.phase != "forward":
+            style += f" color={quote(_PHASE_BORDER.get(node.phase, '#555555'))} penwidth=1.5"
+    else:
+        style = _NODE_STYLE[node.kind]
+    return f"{prefix}{node.name} [label={quote(node.text)} {style}]"
 
 
-def graph_source(trace: Trace, *, depth: int | None = None) -> str:
-    """The DOT source :func:`draw` lays out (see there for ``depth``)."""
-    cols = trace.columns
-    table = trace.module_table
-    n_ops = len(trace)
-    n_calls = len(table["address"])
-    parent_of = table["parent"]
-    call_depth = table["depth"]
-    first_op, end_op = table["first_op"], table["end_op"]
-
-    # Which call each op's innermost *visible* call is, and which calls collapse into one node. A call deeper
-    # than `depth` whose parent is visible becomes a node; its descendants vanish inside it.
-    collapsed: dict[int, None] = {}
-    visible_call = list(range(n_calls))
-    for row in range(n_calls):  # rows are in pre-order: a parent's row precedes its children's
-        parent = parent_of[row]
-        if parent >= 0 and (parent in collapsed or visible_call[parent] != parent):
-            visible_call[row] = visible_call[parent]
-        elif depth is not None and call_depth[row] > depth:
-            collapsed[row] = None
-    op_call = cols["module_call"]
-    node_of = [0] * n_ops  # op index -> node id (an op's own, or its collapsed call's)
-    members: dict[int, list[str]] = {}  # visible call row -> node lines directly inside it
-    top_level: list[str] = []
-    durations = cols["duration_ns"]
-    for i in range(n_ops):
-        call = op_call[i]
-        visible = visible_call[call] if call >= 0 else -1
-        if visible in collapsed:
-            node_of[i] = -1 - visible
-            continue
-        node_of[i] = i
-        shapes = cols["out_shapes"][i]
-        text = f"{cols['label'][i]}\n{format_shape(tuple(shapes[0]) if shapes else None)}\n{format_ns(durations[i])}"
-        line = (
-            f"op{i} [label={_quote(text)} fillcolor={_quote(_KIND_COLOURS.get(cols['kind'][i], '#ffffff'))}]"
-        )
-        (top_level if visible < 0 else members.setdefault(visible, [])).append(line)
-    for row in collapsed:
-        first, end = first_op[row], end_op[row]
-        if first == end:  # a call that ran no op (Dropout in eval, Identity) has nothing to stand for
-            continue
-        flops = sum(cols["flops"][first:end])
-        outs = [op for op in table["out_ops"][row] if op >= 0]
-        shapes = cols["out_shapes"][outs[0]] if outs else ()
-        shape = format_shape(tuple(shapes[0]) if shapes else None)
-        text = (
-            f"{_call_title(table['address'][row], table['type'][row], table['call'][row])}\n"
-            f"{end - first} ops, {shape}\n{format_ns(sum(durations[first:end]))}, {format_count(flops, 'FLOP')}"
-        )
-        line = f"m{row} [label={_quote(text)} shape=box3d fillcolor={_quote(_COLLAPSED_COLOUR)}]"
-        parent = parent_of[row]
-        (top_level if parent < 0 else members.setdefault(visible_call[parent], [])).append(line)
-
-    # Nest clusters: a visible call's cluster holds its own nodes and its visible child calls' clusters.
+def plan_lines(plan: GraphPlan, *, prefix: str = "", indent: str = "  ") -> list[str]:
+    """The DOT statements of ``plan`` (nodes in nested module clusters, then edges), every name prefixed."""
+    by_cluster: dict[int, list[Node]] = {}
+    for node in plan.nodes.values():
+        by_cluster.setdefault(node.cluster, []).append(node)
     children: dict[int, list[int]] = {}
-    roots: list[int] = []
-    for row in range(n_calls):
-        if visible_call[row] != row or row in collapsed:
-            continue
-        parent = parent_of[row]
-        (roots if parent < 0 else children.setdefault(parent, [])).append(row)
-    nonempty = [first_op[r] < end_op[r] for r in range(n_calls)]
+    for row in plan.clusters:
+        children.setdefault(plan.cluster_parent[row], []).append(row)
+    out = [indent + _node_line(n, prefix) for n in by_cluster.get(-1, ())]
 
-    out = [
-        "digraph trace {",
-        '  graph [rankdir=TB fontname="Helvetica" fontsize=11 newrank=true]',
-        '  node [shape=box style="rounded,filled" fontname="Helvetica" fontsize=10 margin="0.08,0.03"]',
-        '  edge [arrowsize=0.6 color="#555555"]',
-    ]
-
-    def emit_cluster(row: int, indent: str) -> None:
-        title = _call_title(table["address"][row], table["type"][row], table["call"][row])
-        out.append(f"{indent}subgraph cluster_m{row} {{")
-        out.append(f'{indent}  label={_quote(title)} style="rounded" color="#7a7a7a" fontsize=10')
-        out.extend(indent + "  " + line for line in members.get(row, ()))
+    def emit(row: int, pad: str) -> None:
+        out.append(f"{pad}subgraph cluster_{prefix}m{row} {{")
+        out.append(f'{pad}  label={quote(plan.titles[row])} style="rounded" color="#7a7a7a" fontsize=10')
+        out.extend(f"{pad}  {_node_line(n, prefix)}" for n in by_cluster.get(row, ()))
         for child in children.get(row, ()):
-            if nonempty[child]:
-                emit_cluster(child, indent + "  ")
-        out.append(f"{indent}}}")
+            emit(child, pad + "  ")
+        out.append(f"{pad}}}")
 
-    out.extend("  " + line for line in top_level)
-    for row in roots:
-        if nonempty[row]:
-            emit_cluster(row, "  ")
-
-    edges: dict[tuple[int, int], None] = {}
-    for i, parents in enumerate(cols["parents"]):
-        dst = node_of[i]
-        for p in parents:
-            src = node_of[p]
-            if src != dst:  # ops inside one collapsed call: no self loop
-                edges[(src, dst)] = None
-
-    def node_name(node: int) -> str:
-        return f"op{node}" if node >= 0 else f"m{-1 - node}"
-
-    out.extend(f"  {node_name(a)} -> {node_name(b)}" for a, b in edges)
-    out.append("}")
-    return "\n".join(out) + "\n"
+    for row in children.get(-1, ()):
+        emit(row, indent)
+    for a, b in plan.edges:
+        if (b, a) in plan.edges:  # data flowing both ways (forward and backward through a collapsed call)
+            if a < b:
+                out.append(f"{indent}{prefix}{a} -> {prefix}{b} [dir=both]")
+            continue
+        out.append(f"{indent}{prefix}{a} -> {prefix}{b}")
+    return out
 
 
-def draw(trace: Trace, path: str | os.PathLike, *, format: str = "svg", depth: int | None = None) -> str:
+def graph_source(
+    trace: Trace,
+    *,
+    depth: int | str | None = "auto",
+    phase: str | Sequence[str] | None = None,
+    show_all: bool = False,
+) -> str:
+    """The DOT source :func:`draw` lays out (see there for the options)."""
+    phases = check_plan_options(depth, phase, show_all)
+    (plan,), note = plan_all([trace], depth=depth, phases=phases, show_all=show_all)
+    return dot_document("trace", plan_lines(plan), note, newrank=True, phases=plan.phases_drawn)
+
+
+def dot_document(name: str, body: list[str], note: str, *, newrank: bool, phases: Iterable[str] = ()) -> str:
+    """A whole DOT graph: the shared header, ``body`` statements, and as the graph's title ``note`` and the
+    border colours of the ``phases`` drawn other than forward."""
+    graph = '  graph [rankdir=TB fontname="Helvetica" fontsize=11 nodesep=0.15 ranksep=0.35'
+    graph += " newrank=true" if newrank else ""
+    legend = [f"{colour} border: {p} op" for p, colour in _BORDER_NAMES.items() if p in phases]
+    title = "\n".join(([note] if note else []) + ([", ".join(legend)] if legend else []))
+    if title:
+        graph += f" label={quote(title)} labelloc=t"
+    return "\n".join([f"digraph {name} {{", graph + "]", *HEADER, *body, "}"]) + "\n"
+
+
+def draw(
+    trace: Trace,
+    path: str | os.PathLike,
+    *,
+    format: str = "svg",
+    depth: int | str | None = "auto",
+    phase: str | Sequence[str] | None = None,
+    show_all: bool = False,
+) -> str:
     """Lay out ``trace``'s op graph with Graphviz and write it to exactly ``path``.
 
-    One node per op (label, output shape, duration; coloured by kind), an edge from each op to every op that
-    read its output (``parents``), and ops grouped in nested clusters, one per module call.
+    One node per op (label, output shape, duration; filled by kind, backward ops with an orange border and
+    optimizer ops a purple one), an edge from each op to every op that read its output, ops grouped in nested
+    clusters, one per module call (backward and optimizer ops in the call of the forward op or the parameter
+    they belong to), and nodes for the inputs, the parameters each module read, and the outputs.
 
     Args:
         trace: the trace to draw.
         path: the file to write, as given (no extension is added).
         format: any Graphviz output format: ``svg``, ``png``, ``pdf``, ``dot``, ...
-        depth: ``None`` draws every op. With ``depth=d``, each module call nested deeper than ``d`` (the
-            outermost call has depth 0) collapses into one node showing its op count, output shape, time and
-            FLOPs; edges into and out of it are rerouted to that node.
+        depth: ``"auto"`` draws every op while that stays within ~300 nodes, else the deepest module depth
+            that does (it warns saying which). ``None`` draws every op. With ``depth=d``, each module call
+            nested deeper than ``d`` (the outermost call has depth 0) collapses, with its backward and optimizer
+            ops, into one node showing its op count, output shape, time and FLOPs.
+        phase: only ops of this phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or a list of them.
+        show_all: also draw bookkeeping ops (views, ``detach``, allocations, profiler markers), which are
+            otherwise left out with the edges through them kept.
 
     Returns:
         ``path`` as a string.
 
     Raises:
-        ValueError: ``format`` is not a Graphviz format, or ``depth`` is not None or a non-negative int.
+        ValueError: an option is not one of the values above.
         MissingToolError: Graphviz's ``dot`` executable is not installed (nothing is written).
         TlDistError: ``dot`` failed.
 
@@ -171,22 +156,29 @@ def draw(trace: Trace, path: str | os.PathLike, *, format: str = "svg", depth: i
         >>> trace.draw("out/graph.svg", depth=2)
         'out/graph.svg'
     """
-    check_draw_options(format, depth)
-    return render(graph_source(trace, depth=depth), path, format=format)
+    check_format(format)
+    phases = check_plan_options(depth, phase, show_all)
+    (plan,), note = plan_all([trace], depth=depth, phases=phases, show_all=show_all)
+    if note:
+        warnings.warn(f"trace.draw: {note}", DrawNote, stacklevel=3)
+    source = dot_document("trace", plan_lines(plan), note, newrank=True, phases=plan.phases_drawn)
+    return render(source, path, format=format)
+
+
+class DrawNote(UserWarning):
+    """What a drawing chose on its own (the automatic depth) or could not help (a graph still too large)."""
 
 
 GRAPHVIZ_HINT = "apt-get install graphviz, brew install graphviz or conda install graphviz"
 
 
-def check_draw_options(format: str, depth: int | None) -> None:
-    """The checks ``trace.draw`` and ``g.draw`` share: a Graphviz format and a module depth."""
+def check_format(format: str) -> None:
+    """A Graphviz output format, or ValueError naming ``format``."""
     if not isinstance(format, str) or format not in graphviz.FORMATS:
         raise ValueError(
             f"format must be a Graphviz output format such as 'svg', 'png' or 'pdf'; got {format!r} "
             f"(known: {', '.join(sorted(graphviz.FORMATS))})"
         )
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ValueError(f"depth must be None or a non-negative int (module nesting level), got {depth!r}")
 
 
 def render(source: str, path: str | os.PathLike, *, format: str) -> str:

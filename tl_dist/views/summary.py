@@ -7,13 +7,15 @@ Example:
 from __future__ import annotations
 
 import os
-from itertools import accumulate
 from typing import TYPE_CHECKING, Any
+
+from ..telemetry import OUTSIDE
 
 if TYPE_CHECKING:
     from ..trace import Trace
 
-_OUTSIDE = "(outside modules)"
+# The one name every view gives "no module" (an op outside every module call): summaries, findings, the report.
+NO_MODULE = OUTSIDE
 
 
 def format_ns(ns: float) -> str:
@@ -87,51 +89,29 @@ def saved_bytes(trace: Trace) -> int:
 
 
 def module_rows(trace: Trace) -> list[dict[str, Any]]:
-    """One dict per module address, in order of first call: type, calls, depth and inclusive ops/time/FLOPs.
+    """One dict per module address, in order of first call: type, calls, depth and inclusive ops/time/FLOPs
+    over every phase (a module's backward ops are those of its forward ops, see ``tl_dist.telemetry``). A
+    trailing row collects the ops run outside every module (a top-level loss, the optimizer, the loss seed)."""
+    from ..telemetry import summarize
 
-    A call's ops are ``[first_op, end_op)`` of the module-call table, which already includes its submodules'
-    ops; prefix sums make each call O(1). A trailing row collects the ops run outside every module.
-
-    NB: a module that calls itself (same address nested) would count the inner call's ops twice.
-    """
-    cols = trace.columns
-    dur = [0, *accumulate(cols["duration_ns"])]
-    flops = [0, *accumulate(cols["flops"])]
-    table = trace.module_table
-    by_address: dict[str, dict[str, Any]] = {}
-    for address, mtype, depth, first, end in zip(
-        table["address"], table["type"], table["depth"], table["first_op"], table["end_op"]
-    ):
-        row = by_address.get(address)
+    rows: dict[str, dict[str, Any]] = {}
+    for r in summarize(trace).modules:
+        row = rows.get(r.module)
         if row is None:
-            row = by_address[address] = {
-                "address": address,
-                "type": mtype,
-                "depth": depth,
-                "calls": 0,
+            row = rows[r.module] = {
+                "address": r.module,
+                "type": r.type,
+                "depth": r.depth if r.module != OUTSIDE else 0,
+                "calls": r.calls,
                 "ops": 0,
                 "duration_ns": 0,
                 "flops": 0,
             }
-        row["calls"] += 1
-        row["ops"] += end - first
-        row["duration_ns"] += dur[end] - dur[first]
-        row["flops"] += flops[end] - flops[first]
-    rows = list(by_address.values())
-    outside = [i for i, call in enumerate(cols["module_call"]) if call < 0]
-    if outside:
-        rows.append(
-            {
-                "address": _OUTSIDE,
-                "type": "",
-                "depth": 0,
-                "calls": 0,
-                "ops": len(outside),
-                "duration_ns": sum(cols["duration_ns"][i] for i in outside),
-                "flops": sum(cols["flops"][i] for i in outside),
-            }
-        )
-    return rows
+        row["ops"] += r.ops
+        row["duration_ns"] += r.duration_ns
+        row["flops"] += r.flops
+    outside = rows.pop(OUTSIDE, None)
+    return [*rows.values(), *([outside] if outside else [])]
 
 
 def _short_source(source: str) -> str:
@@ -165,14 +145,19 @@ def summary(trace: Trace, *, top: int = 10) -> str:
     total_ns = sum(cols["duration_ns"])
     total_flops = sum(cols["flops"])
     n_calls = len(trace.module_table["address"])
+    where = ""
+    if trace.rank is not None:
+        where = f" of rank {trace.rank}" + (f"/{trace.world_size}" if trace.world_size is not None else "")
+    if trace.step is not None:
+        where += f" step {trace.step}"
     lines = [
-        f"tl_dist trace: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
+        f"tl_dist trace{where}: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
         f"{format_count(total_flops, 'FLOP')}, {len(trace.saved)} saved ops ({format_bytes(saved_bytes(trace))})"
     ]
     if trace.failed_op:
         failed = trace.failed_op
         lines.append(
-            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or '<top>'}): "
+            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or NO_MODULE}): "
             f"{failed['error']}"
         )
 
@@ -211,7 +196,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
                 (
                     str(i),
                     cols["label"][i],
-                    (cols["module"][i] or "<root>") if cols["module_call"][i] >= 0 else "-",
+                    (cols["module"][i] or "<root>") if cols["module_stack"][i] else NO_MODULE,
                     format_shape(tuple(shapes[0]) if shapes else None),
                     format_ns(durations[i]),
                     f"{share:.1f}%",

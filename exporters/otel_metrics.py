@@ -1,0 +1,185 @@
+"""Metrics of one window: fixed instrument names (dashboards and alerts rely on them), every point with
+``tl.rank``. docs/telemetry.md lists them with their Prometheus names.
+
+Histograms are in seconds with bucket advice from 1 µs to 100 s (1-2-5 per decade): the SDK's default
+boundaries (0 .. 10000) would put every op in the first bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from tl_dist.telemetry import OUTSIDE
+
+from .otel_spans import collective_group, module_label
+
+if TYPE_CHECKING:
+    from tl_dist.telemetry import StepTelemetry
+    from tl_dist.trace import Trace
+
+# Written as decimal strings: `5 * 1e-6` would print as `4.9999999999999996e-06` in Prometheus' `le` label.
+DURATION_BUCKETS_S: tuple[float, ...] = tuple(float(f"{m}e{e}") for e in range(-6, 2) for m in (1, 2, 5)) + (
+    100.0,
+)
+"""Histogram boundaries of every ``*.duration`` metric: 1 µs, 2 µs, 5 µs, 10 µs, ..., 50 s, 100 s."""
+
+# name -> (kind, unit, description); the one list the instruments and the docs table come from.
+INSTRUMENTS: dict[str, tuple[str, str, str]] = {
+    "tl.step.duration": ("histogram", "s", "Wall-clock time of a captured window (a training step)."),
+    "tl.op.duration": ("histogram", "s", "Duration of each op, by op func and phase."),
+    "tl.module.duration": (
+        "histogram",
+        "s",
+        "Inclusive op time of a module (its submodules included) per window and phase, to module_depth.",
+    ),
+    "tl.collective.duration": (
+        "histogram",
+        "s",
+        "Issue to completion of each completed collective, by kind and process group.",
+    ),
+    "tl.step.flops": ("counter", "{flop}", "Floating-point operations of the captured windows, by phase."),
+    "tl.collective.bytes": (
+        "counter",
+        "By",
+        "Bytes of completed collectives as nccl-tests counts them (the larger of input and output).",
+    ),
+    "tl.nonfinite": (
+        "counter",
+        "{value}",
+        "Recorded values holding NaN (or Inf in gradients), by innermost module (windows with stats).",
+    ),
+    "tl.step.flops_per_second": ("gauge", "{flop}/s", "FLOPs of the last window divided by its wall time."),
+    "tl.step.mfu": (
+        "gauge",
+        "1",
+        "Model FLOPs utilisation of the last window (only when the peak is known).",
+    ),
+    "tl.collective.busbw": (
+        "gauge",
+        "By/s",
+        "Bus bandwidth (nccl-tests) of the last window's collectives, by kind and process group.",
+    ),
+    "tl.tensor.norm": (
+        "gauge",
+        "1",
+        "L2 norm of a module's output (tl.of=out) or its gradient (tl.of=grad), last call of the last "
+        "window with stats, to module_depth.",
+    ),
+}
+
+
+class WindowMetrics:
+    """Records windows on ``meter``'s instruments; modules deeper than ``module_depth`` are left out."""
+
+    def __init__(self, meter: Any, *, module_depth: int) -> None:
+        self.module_depth = module_depth
+        self.instruments: dict[str, Any] = {}
+        for name, (kind, unit, description) in INSTRUMENTS.items():
+            if kind == "histogram":
+                inst = meter.create_histogram(
+                    name,
+                    unit=unit,
+                    description=description,
+                    explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S,
+                )
+            elif kind == "counter":
+                inst = meter.create_counter(name, unit=unit, description=description)
+            else:
+                inst = meter.create_gauge(name, unit=unit, description=description)
+            self.instruments[name] = inst
+        self._rank: int | None = None
+        self._attrs: dict[tuple, dict[str, Any]] = {}
+        self._op_attrs: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def _attributes(self, key: tuple, **attrs: Any) -> dict[str, Any]:
+        """One attribute dict per key, reused across windows (the per-op histogram records thousands)."""
+        found = self._attrs.get(key)
+        if found is None:
+            found = self._attrs[key] = {**attrs, "tl.rank": self._rank}
+        return found
+
+    def record(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
+        rank = int(trace.metadata.get("rank", 0))
+        if rank != self._rank:
+            self._rank, self._attrs, self._op_attrs = rank, {}, {}
+        inst = self.instruments
+        self._record_ops(trace)
+        self._record_collectives(trace)
+        if telemetry is None:  # summarising failed (logged by the worker): the per-op metrics still go out
+            return
+        rank_only = self._attributes(("rank",))
+        inst["tl.step.duration"].record(telemetry.wall_ns * 1e-9, rank_only)
+        inst["tl.step.flops_per_second"].set(telemetry.flops_per_second, rank_only)
+        if telemetry.mfu is not None:
+            inst["tl.step.mfu"].set(telemetry.mfu, rank_only)
+        for phase, flops in telemetry.flops.items():
+            if flops or telemetry.op_ns.get(phase):
+                inst["tl.step.flops"].add(flops, self._attributes(("phase", phase), **{"tl.phase": phase}))
+        depth_of = self._depths(trace)
+        deep = self.module_depth
+        module_hist = inst["tl.module.duration"]
+        for row in telemetry.modules:
+            if row.module != OUTSIDE and row.depth > deep:
+                continue
+            label = module_label(row.module) if row.module != OUTSIDE else OUTSIDE
+            attrs = self._attributes(
+                ("module", label, row.phase), **{"tl.module": label, "tl.phase": row.phase}
+            )
+            module_hist.record(row.duration_ns * 1e-9, attrs)
+        for row in telemetry.collectives:
+            attrs = self._collective_attributes(row.kind, row.group)
+            inst["tl.collective.bytes"].add(row.bytes, attrs)
+            if row.completed:
+                inst["tl.collective.busbw"].set(row.busbw, attrs)
+        for row in telemetry.nonfinite:
+            label = module_label(row.module) if row.module != OUTSIDE else OUTSIDE
+            attrs = self._attributes(("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of})
+            inst["tl.nonfinite"].add(row.count, attrs)
+        norm = inst["tl.tensor.norm"]
+        for row in telemetry.norms:
+            if depth_of.get(row.module, 0) > deep or not math.isfinite(row.norm):
+                continue  # a NaN/Inf norm is what tl.nonfinite counts (the SDK refuses non-finite gauges)
+            label = module_label(row.module)
+            norm.set(
+                row.norm, self._attributes(("norm", label, row.of), **{"tl.module": label, "tl.of": row.of})
+            )
+
+    def _record_ops(self, trace: Trace) -> None:
+        cols = trace.columns
+        record = self.instruments["tl.op.duration"].record
+        attrs = self._op_attrs
+        rank = self._rank
+        for func, phase, dur in zip(cols["func"], cols["phase"], cols["duration_ns"]):
+            a = attrs.get((func, phase))
+            if a is None:
+                a = attrs[(func, phase)] = {"tl.op.func": func, "tl.phase": phase, "tl.rank": rank}
+            record(dur * 1e-9, a)
+
+    def _record_collectives(self, trace: Trace) -> None:
+        table = trace.collective_table
+        record = self.instruments["tl.collective.duration"].record
+        for func, ranks, name, desc, issue, complete in zip(
+            table["func"],
+            table["group_ranks"],
+            table["group_name"],
+            table["group_desc"],
+            table["issue_ns"],
+            table["complete_ns"],
+        ):
+            if complete >= issue >= 0:
+                group = collective_group(desc, name, ranks)
+                record((complete - issue) * 1e-9, self._collective_attributes(func, group))
+
+    def _collective_attributes(self, kind: str, group: str) -> dict[str, Any]:
+        return self._attributes(
+            ("collective", kind, group), **{"tl.collective.kind": kind, "tl.collective.group": group}
+        )
+
+    @staticmethod
+    def _depths(trace: Trace) -> dict[str, int]:
+        table = trace.module_table
+        depths: dict[str, int] = {}
+        for address, depth in zip(table["address"], table["depth"]):
+            depths.setdefault(address, depth)
+        return depths

@@ -1,0 +1,64 @@
+"""What a capture window records: one frozen dataclass taken by ``tl.capture``, ``tl.arm`` and the Lightning
+callback, so the option list is written and checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .selectors import check_selection
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """What each capture window records (besides every op's metadata, timing and FLOPs, always recorded).
+
+    Args:
+        save: op outputs to keep: ``True`` all, ``None`` none (metadata only), or a selector
+            (``tl.func("relu") | tl.in_module("classifier")``).
+        save_grads: forward ops whose output gradient (of the loss backward runs on in the window) is kept:
+            ``True``, ``None`` or a selector.
+        stats: ops whose output statistics (mean, std, min, max, L2 norm, zero fraction, NaN and Inf counts) are
+            recorded, and their gradient's when backward runs: ``True`` (forward ops that compute values),
+            ``None`` or a selector (any op, backward and optimizer ops included).
+        source: record file:line of the user code that issued each op.
+        keep_graph: keep saved outputs attached to autograd, so a loss can be built from them.
+
+    Example:
+        >>> opts = tl.CaptureOptions(stats=True, save=tl.func("softmax"))
+        >>> tl.arm("runs/job42", options=opts, every=50)
+        >>> with tl.capture(options=opts) as cap: ...
+    """
+
+    save: Any = None
+    save_grads: Any = None
+    stats: Any = None
+    source: bool = True
+    keep_graph: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("save", "save_grads", "stats"):
+            check_selection(getattr(self, name), name)
+        for name in ("source", "keep_graph"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+
+    @property
+    def records_tensors(self) -> bool:
+        """Whether windows keep tensors (outputs or gradients), not only metadata and statistics."""
+        return self.save is not None or self.save_grads is not None
+
+    def updated(self, **changes: Any) -> CaptureOptions:
+        """A copy with the given options changed; a name that is not an option raises ValueError."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"unknown capture options {unknown}; options: {[f.name for f in fields(self)]}")
+        return replace(self, **changes)
+
+
+def check_options(value: Any, name: str = "options") -> CaptureOptions:
+    """``value`` if it is a :class:`CaptureOptions`, else a ValueError naming the argument."""
+    if not isinstance(value, CaptureOptions):
+        raise ValueError(f"{name} must be a tl.CaptureOptions, got {type(value).__name__}")
+    return value

@@ -1,0 +1,428 @@
+"""Per-step telemetry of one capture window: :func:`summarize` turns a trace into a :class:`StepTelemetry`.
+
+Framework-free (no OpenTelemetry, no Lightning): every sink gets the same summary (the sink worker computes it
+once per window), and the exporters and the Lightning callback are thin adapters over it.
+
+Example:
+    >>> with tl.capture() as cap:
+    ...     loss = model(x).sum(); loss.backward(); opt.step()
+    >>> t = tl.telemetry.summarize(cap.trace)
+    >>> t.op_ns["backward"], t.flops["forward"], t.flops_per_second
+    >>> t.frame("modules").query("phase == 'backward'").nlargest(5, "duration_ns")
+
+Definitions (docs/telemetry.md has them all):
+
+- Inclusive per-module numbers count an op for every module on its ``module_stack``; backward ops carry the
+  stack of the forward op they differentiate, so a module's backward time is the backward of its forward.
+- ``wall_ns`` is the window's wall-clock time; ``flops_per_second`` = all FLOPs / wall time, as MFU is defined.
+- Collective bandwidth follows nccl-tests: ``algbw = size / time`` with ``size`` the larger of the input and
+  output buffers, and ``busbw = algbw * factor``: ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather,
+  reduce_scatter, all_to_all, gather and scatter, ``1`` for broadcast, reduce and point-to-point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from ._phases import PHASES
+from .training import first_nonfinite
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .trace import Trace
+
+OUTSIDE = "(outside modules)"
+"""The module name of ops that ran outside every module call (a loss computed at top level, the optimizer)."""
+
+
+def module_name(op: Any) -> str:
+    """How views name an op's module (an op, a failed-op record or a row with ``module``/``module_stack``):
+    its address, ``<root>`` for the root module, :data:`OUTSIDE` outside every module."""
+    get = op.get if isinstance(op, dict) else lambda k, d=None: getattr(op, k, d)
+    if not get("module_stack", None):
+        return get("module", "") or OUTSIDE
+    return get("module", "") or "<root>"
+
+
+# Dense peak FLOP/s by (device name fragment, dtype) from the vendors' data sheets (no sparsity). The first
+# fragment contained in torch.cuda.get_device_name() wins, so more specific names come first. float32 matmuls
+# use TF32 tensor cores when torch.backends.cuda.matmul.allow_tf32 is set ("tf32").
+DEVICE_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
+    "H100 PCIe": {"bfloat16": 756e12, "float16": 756e12, "tf32": 378e12, "float32": 51e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+    "L40S": {"bfloat16": 362e12, "float16": 362e12, "tf32": 183e12, "float32": 91.6e12},
+    "L4": {"bfloat16": 121e12, "float16": 121e12, "tf32": 60e12, "float32": 30.3e12},
+    "A10": {"bfloat16": 125e12, "float16": 125e12, "tf32": 62.5e12, "float32": 31.2e12},
+    "V100": {"float16": 125e12, "float32": 15.7e12},
+    "T4": {"float16": 65e12, "float32": 8.1e12},
+}
+
+_BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n}
+for _kind in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+    _BUS_FACTORS[_kind] = lambda n: (n - 1) / n
+_ITEMSIZE: dict[str, int] = {}
+
+
+class ModuleRow(NamedTuple):
+    """Inclusive totals of one module (its submodules included) in one phase."""
+
+    module: str
+    type: str
+    depth: int
+    phase: str
+    calls: int  # forward calls of the module in the window
+    ops: int
+    duration_ns: int
+    flops: int
+    out_bytes: int
+
+
+class FuncRow(NamedTuple):
+    """Totals of one op func (``convolution``, ``mm``, ...) in one phase."""
+
+    func: str
+    phase: str
+    count: int
+    duration_ns: int
+    flops: int
+    out_bytes: int
+
+
+class CollectiveRow(NamedTuple):
+    """Totals of one collective kind on one process group; bandwidths in bytes/s (nccl-tests definitions)."""
+
+    kind: str
+    group: str
+    group_size: int
+    count: int
+    completed: int
+    bytes: int  # sum of the nccl-tests `size` (larger of input and output buffers) of completed ones
+    duration_ns: int  # sum of issue -> completion of completed ones
+    algbw: float
+    busbw: float
+
+
+class NormRow(NamedTuple):
+    """Statistics of a module call's output (``of="out"``) or its gradient (``of="grad"``): the last call's."""
+
+    module: str
+    of: str
+    norm: float
+    mean: float
+    std: float
+    min: float
+    max: float
+
+
+class NonfiniteRow(NamedTuple):
+    """How many recorded values of ops in ``module`` held NaN (or Inf in gradients)."""
+
+    module: str
+    of: str
+    count: int
+
+
+@dataclass(frozen=True)
+class StepTelemetry:
+    """What one window (a training step) did, for dashboards and alerts. Times in ns, FLOPs as counts.
+
+    ``op_ns`` and ``flops`` are per phase (``forward``, ``backward``, ``optimizer``, ``recompute``); the tables
+    are tuples of named rows (``frame(name)`` makes a DataFrame of one).
+    """
+
+    step: int | None
+    rank: int
+    world_size: int
+    run_id: str | None
+    wall_ns: int
+    op_ns: dict[str, int]
+    flops: dict[str, int]
+    total_flops: int
+    compute_ns: int  # time in ops that are not collectives
+    comm_ns: int  # collectives in flight: union of [issue, completion] intervals
+    flops_per_second: float
+    peak_flops: float | None
+    mfu: float | None
+    device: str
+    modules: tuple[ModuleRow, ...]
+    funcs: tuple[FuncRow, ...]
+    collectives: tuple[CollectiveRow, ...]
+    norms: tuple[NormRow, ...]
+    nonfinite: tuple[NonfiniteRow, ...]
+    first_nonfinite: dict[str, Any] | None  # label, index, func, module, source, phase (stats only)
+
+    def frame(self, table: str) -> pd.DataFrame:
+        """One of ``modules``, ``funcs``, ``collectives``, ``norms``, ``nonfinite`` as a pandas DataFrame.
+
+        Example:
+            >>> t.frame("funcs").sort_values("duration_ns", ascending=False).head()
+        """
+        import pandas as pd
+
+        row_types = {
+            "modules": ModuleRow,
+            "funcs": FuncRow,
+            "collectives": CollectiveRow,
+            "norms": NormRow,
+            "nonfinite": NonfiniteRow,
+        }
+        if table not in row_types:
+            raise ValueError(f"table must be one of {sorted(row_types)}, got {table!r}")
+        return pd.DataFrame(list(getattr(self, table)), columns=list(row_types[table]._fields))
+
+    def module_time(self, module: str = "", phases: tuple[str, ...] = PHASES) -> int:
+        """Inclusive ns of ``module`` summed over ``phases`` (0 if it ran no op)."""
+        return sum(r.duration_ns for r in self.modules if r.module == module and r.phase in phases)
+
+
+def peak_flops_for(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of ``device_name`` (as ``torch.cuda.get_device_name`` says it) for ``dtype``
+    (``"bfloat16"``, ``"float16"``, ``"float32"``), from :data:`DEVICE_PEAK_FLOPS`; None when unknown.
+
+    Example:
+        >>> peak_flops_for("NVIDIA H100 80GB HBM3", "bfloat16")
+        989000000000000.0
+    """
+    for fragment, peaks in DEVICE_PEAK_FLOPS.items():
+        if fragment in device_name:
+            if dtype == "float32" and torch.backends.cuda.matmul.allow_tf32 and "tf32" in peaks:
+                return peaks["tf32"]
+            return peaks.get(dtype)
+    return None
+
+
+def bus_factor(kind: str, group_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor of collective ``kind`` on ``group_size`` ranks (1 for broadcast, p2p)."""
+    if group_size < 1:
+        return 1.0
+    factor = _BUS_FACTORS.get(kind)
+    return factor(group_size) if factor is not None else 1.0
+
+
+def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry:
+    """The :class:`StepTelemetry` of one window.
+
+    Args:
+        trace: a trace from ``tl.capture``/``tl.trace`` (or ``tl.load``).
+        peak_flops: the hardware's peak FLOP/s, for MFU. None: looked up for the window's GPU and dominant
+            dtype in :data:`DEVICE_PEAK_FLOPS` (no MFU on CPU or unknown devices).
+
+    Example:
+        >>> t = tl.telemetry.summarize(cap.trace)
+        >>> t.module_time("encoder", ("forward", "backward")) / 1e6  # ms
+    """
+    if peak_flops is not None and (
+        isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or peak_flops <= 0
+    ):
+        raise ValueError(f"peak_flops must be a positive number (FLOP/s) or None, got {peak_flops!r}")
+    cols = trace.columns
+    meta = trace.metadata
+    phases, durations, flops = cols["phase"], cols["duration_ns"], cols["flops"]
+    out_bytes, kinds = cols["out_bytes"], cols["kind"]
+    n = len(durations)
+
+    op_ns = dict.fromkeys(PHASES, 0)
+    phase_flops = dict.fromkeys(PHASES, 0)
+    # One pass over the ops, grouped by (module stack, phase) and (func, phase); stacks repeat a lot.
+    by_stack: dict[tuple[tuple[str, ...], str], list[int]] = {}
+    by_func: dict[tuple[str, str], list[int]] = {}
+    dtype_flops: dict[str, int] = {}
+    compute_ns = 0
+    for i, (stack, phase, func, dur, fl, nbytes, kind) in enumerate(
+        zip(cols["module_stack"], phases, cols["func"], durations, flops, out_bytes, kinds)
+    ):
+        op_ns[phase] = op_ns.get(phase, 0) + dur
+        phase_flops[phase] = phase_flops.get(phase, 0) + fl
+        if kind != "collective":
+            compute_ns += dur
+        acc = by_stack.get((stack, phase))
+        if acc is None:
+            acc = by_stack[(stack, phase)] = [0, 0, 0, 0]
+        acc[0] += 1
+        acc[1] += dur
+        acc[2] += fl
+        acc[3] += nbytes
+        acc = by_func.get((func, phase))
+        if acc is None:
+            acc = by_func[(func, phase)] = [0, 0, 0, 0]
+        acc[0] += 1
+        acc[1] += dur
+        acc[2] += fl
+        acc[3] += nbytes
+        if fl:
+            dtype = cols["dtype"][i]
+            dtype_flops[dtype] = dtype_flops.get(dtype, 0) + fl
+
+    modules = _module_rows(trace, by_stack)
+    funcs = tuple(
+        FuncRow(func, phase, *acc) for (func, phase), acc in sorted(by_func.items(), key=lambda kv: -kv[1][1])
+    )
+    wall_ns = _wall_ns(trace, n)
+    total_flops = sum(phase_flops.values())
+    fps = total_flops / (wall_ns / 1e9) if wall_ns > 0 else 0.0
+    device = meta.get("device_name", "")
+    if peak_flops is None and device and dtype_flops:
+        peak_flops = peak_flops_for(device, max(dtype_flops, key=dtype_flops.get))
+    collectives, comm_ns = _collective_rows(trace.collective_table)
+    norms, nonfinite = _stat_rows(trace)
+    first = None
+    if trace.stats_table["op"]:
+        index = first_nonfinite(trace)
+        if index is not None:
+            first = {
+                "index": index,
+                "label": cols["label"][index],
+                "func": cols["func"][index],
+                "module": cols["module"][index] if cols["module_stack"][index] else OUTSIDE,
+                "source": cols["source"][index],
+                "phase": cols["phase"][index],
+            }
+    return StepTelemetry(
+        step=meta.get("step"),
+        rank=int(meta.get("rank", 0)),
+        world_size=int(meta.get("world_size", 1)),
+        run_id=meta.get("run_id"),
+        wall_ns=wall_ns,
+        op_ns=op_ns,
+        flops=phase_flops,
+        total_flops=total_flops,
+        compute_ns=compute_ns,
+        comm_ns=comm_ns,
+        flops_per_second=fps,
+        peak_flops=float(peak_flops) if peak_flops is not None else None,
+        mfu=fps / peak_flops if peak_flops else None,
+        device=device or (cols["device"][0] if n else ""),
+        modules=modules,
+        funcs=funcs,
+        collectives=collectives,
+        norms=norms,
+        nonfinite=nonfinite,
+        first_nonfinite=first,
+    )
+
+
+def _wall_ns(trace: Trace, n: int) -> int:
+    meta = trace.metadata
+    start, end = meta.get("window_start_ns"), meta.get("window_end_ns")
+    if start is not None and end is not None:
+        return int(end - start)
+    if not n:  # a shard from before windows recorded their span: first op start to last op end
+        return 0
+    cols = trace.columns
+    return max(s + d for s, d in zip(cols["start_ns"], cols["duration_ns"])) - min(cols["start_ns"])
+
+
+def _module_rows(
+    trace: Trace, by_stack: dict[tuple[tuple[str, ...], str], list[int]]
+) -> tuple[ModuleRow, ...]:
+    table = trace.module_table
+    info: dict[str, tuple[str, int]] = {}  # address -> (type, depth) of its first call
+    calls: dict[str, int] = {}
+    for address, mtype, depth in zip(table["address"], table["type"], table["depth"]):
+        info.setdefault(address, (mtype, depth))
+        calls[address] = calls.get(address, 0) + 1
+    totals: dict[tuple[str, str], list[int]] = {}
+    for (stack, phase), (ops, dur, fl, nbytes) in by_stack.items():
+        # A module calling itself (the same address twice on one stack) counts its ops once.
+        for address in dict.fromkeys(stack) if stack else (OUTSIDE,):
+            acc = totals.get((address, phase))
+            if acc is None:
+                acc = totals[(address, phase)] = [0, 0, 0, 0]
+            acc[0] += ops
+            acc[1] += dur
+            acc[2] += fl
+            acc[3] += nbytes
+    order = {address: k for k, address in enumerate(info)}
+    phase_order = {p: k for k, p in enumerate(PHASES)}
+    rows = []
+    for (address, phase), (ops, dur, fl, nbytes) in totals.items():
+        mtype, depth = info.get(address, ("", address.count(".") + 1 if address else 0))
+        rows.append(ModuleRow(address, mtype, depth, phase, calls.get(address, 0), ops, dur, fl, nbytes))
+    rows.sort(key=lambda r: (order.get(r.module, len(order)), phase_order.get(r.phase, len(PHASES))))
+    return tuple(rows)
+
+
+def _itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        dt = getattr(torch, dtype, None)
+        size = _ITEMSIZE[dtype] = dt.itemsize if isinstance(dt, torch.dtype) else 0
+    return size
+
+
+def _collective_rows(table: dict[str, list]) -> tuple[tuple[CollectiveRow, ...], int]:
+    groups: dict[tuple[str, str], list] = {}
+    intervals: list[tuple[int, int]] = []
+    for func, ranks, name, desc, in_numel, out_numel, dtype, issue, complete in zip(
+        table["func"],
+        table["group_ranks"],
+        table["group_name"],
+        table["group_desc"],
+        table["in_numel"],
+        table["out_numel"],
+        table["dtype"],
+        table["issue_ns"],
+        table["complete_ns"],
+    ):
+        group = desc or name or ",".join(map(str, ranks))
+        acc = groups.get((func, group))
+        if acc is None:
+            acc = groups[(func, group)] = [len(ranks), 0, 0, 0, 0]
+        acc[1] += 1
+        if complete >= issue >= 0:
+            acc[2] += 1
+            acc[3] += max(in_numel, out_numel) * _itemsize(dtype)
+            acc[4] += complete - issue
+            intervals.append((issue, complete))
+    rows = []
+    for (func, group), (size, count, completed, nbytes, dur) in groups.items():
+        algbw = nbytes / (dur / 1e9) if dur > 0 else 0.0
+        rows.append(
+            CollectiveRow(
+                func, group, size, count, completed, nbytes, dur, algbw, algbw * bus_factor(func, size)
+            )
+        )
+    return tuple(rows), _union_ns(intervals)
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Total length of the union of [start, end) intervals: async collectives in flight together count once."""
+    total, end = 0, None
+    for lo, hi in sorted(intervals):
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
+
+
+def _stat_rows(trace: Trace) -> tuple[tuple[NormRow, ...], tuple[NonfiniteRow, ...]]:
+    table = trace.stats_table
+    if not table["op"]:
+        return (), ()
+    cols = trace.columns
+    norms: dict[tuple[str, str], NormRow] = {}
+    bad: dict[tuple[str, str], int] = {}
+    for k, (op, of) in enumerate(zip(table["op"], table["of"])):
+        for address in trace.output_of.get(op, ()):
+            norms[(address, of)] = NormRow(
+                address,
+                of,
+                table["norm"][k],
+                table["mean"][k],
+                table["std"][k],
+                table["min"][k],
+                table["max"][k],
+            )
+        if table["nan"][k] or (table["inf"][k] and of == "grad"):
+            module = cols["module"][op] if cols["module_stack"][op] else OUTSIDE
+            bad[(module, of)] = bad.get((module, of), 0) + 1
+    return tuple(norms.values()), tuple(NonfiniteRow(m, of, c) for (m, of), c in bad.items())
