@@ -216,6 +216,19 @@ def test_disagreement_is_the_cause_when_the_collective_then_failed(tmp_path):
     assert "never completed on rank(s) [0, 1]" in str(g.findings[2])
 
 
+def test_findings_tell_the_root_module_from_no_module(tmp_path):
+    # Both ranks' all_reduce has module address '': rank 0's ran inside the root module's call (its module
+    # stack is ['']), rank 1's at top level (an empty stack), so they are "<root>" and "(outside modules)".
+    traces = [make_trace(0, [coll(source=A, numel=4)]), make_trace(1, [coll(source=A, numel=8)])]
+    traces[0].columns["module_stack"][1] = ("",)  # op 1: the all_reduce (op 0 is the mm before it)
+    write_run(tmp_path, traces)
+    f = _only(merge_ranks(tmp_path))
+    assert f.kind == "size_mismatch" and f.message.startswith(
+        "all_reduce seq 1 of group [0, 1] at all_reduce_1 in <root> (train.py:10)"
+    )
+    assert (f.where[0]["module"], f.where[1]["module"]) == ("<root>", "(outside modules)")
+
+
 def test_missing_rank_names_the_last_step_it_wrote(tmp_path):
     # Rank 1 wrote steps 10 and 20, then died by SIGKILL inside step 30: no shard, no post-mortem.
     traces = [make_trace(r, [coll(source=A)], step=s) for s in (10, 20, 30) for r in range(2)]
