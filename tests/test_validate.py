@@ -244,3 +244,141 @@ def test_validate_without_replay_information_says_so():
     trace = tl.trace(model, torch.randn(3, 4), save=None)
     with pytest.raises(tl.TlDistError, match="nothing to replay"):
         trace.validate()
+
+
+class Heads(nn.Module):
+    """Integer, bool and multi-output ops: max.dim returns (values, int64 indices), layer_norm three tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        y = self.fc(x)
+        values, indices = y.max(1)
+        return indices + 1, y > 0, values * 2, nn.functional.layer_norm(y, (6,))
+
+
+@pytest.fixture
+def heads():
+    torch.manual_seed(0)
+    trace = _trace(Heads(), torch.randn(5, 4))
+    # t, addmm, max (values, indices), add (indices + 1), gt, mul (values * 2), native_layer_norm (3 outputs)
+    assert [op.label for op in trace] == [
+        *("t_1", "addmm_1", "max_1", "add_1", "gt_1", "mul_1", "native_layer_norm_1")
+    ]
+    assert trace.validate()
+    return trace
+
+
+def test_integer_output_is_compared_exactly(heads):
+    add = heads["add_1"]
+    tampered = add.out.clone()
+    tampered[3] += 1  # one index off by one: no tolerance applies to integers
+    heads.saved[add.index][0] = tampered
+    report = heads.validate(atol=10.0, rtol=10.0)
+    assert [(m.label, m.max_abs_diff) for m in report.mismatches] == [("add_1", 1.0)]
+
+
+def test_bool_output_is_compared_exactly(heads):
+    gt = heads["gt_1"]
+    tampered = gt.out.clone()
+    tampered[0, 0] = ~tampered[0, 0]
+    heads.saved[gt.index][0] = tampered
+    report = heads.validate(atol=10.0, rtol=10.0)
+    assert [(m.label, m.max_abs_diff) for m in report.mismatches] == [("gt_1", 1.0)]
+
+
+def test_every_output_of_a_multi_output_op_is_compared(heads):
+    max_op = heads["max_1"]
+    values, indices = heads.saved[max_op.index]
+    heads.saved[max_op.index][1] = indices.flip(0) if not torch.equal(indices.flip(0), indices) else indices + 1
+    diff = float((heads.saved[max_op.index][1] - indices).abs().max())
+    report = heads.validate()
+    # max_1's second output (the indices) differs; add_1, replayed from the tampered indices, differs too.
+    assert [(m.label, m.max_abs_diff) for m in report.mismatches] == [("max_1", diff), ("add_1", diff)]
+
+    # native_layer_norm's third output (rstd), nobody reads it: only the op itself can notice.
+    heads.saved[max_op.index][1] = indices
+    norm = heads["native_layer_norm_1"]
+    out, mean, rstd = heads.saved[norm.index]
+    heads.saved[norm.index][0] = out + 0.5
+    heads.saved[norm.index][2] = rstd + 2.0
+    report = heads.validate()
+    # the largest difference over all outputs is reported, whichever output it is in
+    assert [m.label for m in report.mismatches] == ["native_layer_norm_1"]
+    assert report.mismatches[0].max_abs_diff == pytest.approx(2.0)
+    heads.saved[norm.index][0] = out + 3.0
+    assert heads.validate().mismatches[0].max_abs_diff == pytest.approx(3.0)
+
+
+def test_dtype_change_is_a_mismatch(heads):
+    add, mul = heads["add_1"], heads["mul_1"]
+    heads.saved[add.index][0] = add.out.to(torch.int32)  # same values, other dtype
+    heads.saved[mul.index][0] = mul.out.double()
+    report = heads.validate()
+    assert [(m.label, m.max_abs_diff, m.detail) for m in report.mismatches] == [
+        ("add_1", math.inf, "dtype torch.int64 != saved torch.int32"),
+        ("mul_1", math.inf, "dtype torch.float32 != saved torch.float64"),
+    ]
+
+
+def test_extra_saved_output_is_a_mismatch(heads):
+    mul = heads["mul_1"]
+    heads.saved[mul.index].append(mul.out.clone())  # mul returns one tensor; two are saved
+    report = heads.validate()
+    assert [(m.label, m.detail) for m in report.mismatches] == [("mul_1", "1 outputs != saved 2")]
+
+
+def test_replay_that_raises_is_reported_not_skipped(net):
+    model, x = net
+    trace = _trace(model, x)
+    trace.saved[trace["relu_1"].index][0] = torch.zeros(5, 7)  # addmm_2 cannot multiply 5x7 by 8x3
+    report = trace.validate()
+    assert (report.checked, report.n_skipped) == (5, 0)
+    assert [(m.label, m.max_abs_diff) for m in report.mismatches] == [("relu_1", math.inf), ("addmm_2", math.inf)]
+    assert report.mismatches[0].detail == "shape (5, 8) != saved (5, 7)"
+    assert report.mismatches[1].detail.startswith("replay raised RuntimeError: mat1 and mat2 shapes")
+    assert "mismatch addmm_2: max abs diff inf (replay raised RuntimeError" in str(report)
+
+
+def test_default_tolerances_are_atol_1e_6_and_rtol_1e_5():
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    trace = _trace(Double(), torch.tensor([0.0, 500.0]))
+    mul = trace["mul_1"]
+    assert mul.out.tolist() == [0.0, 1000.0]
+
+    def passes(saved: list[float], **tolerances: float) -> bool:
+        trace.saved[mul.index][0] = torch.tensor(saved)
+        return bool(trace.validate(**tolerances))
+
+    # |replay - saved| <= atol + rtol * |saved|: at a saved 0 only atol counts; at 1000, rtol * 1000 = 0.01.
+    assert passes([0.9e-6, 1000.0]) and not passes([2e-6, 1000.0])
+    assert passes([0.0, 1000.009]) and not passes([0.0, 1000.02])
+    assert passes([0.5, 1000.0], atol=0.6) and not passes([0.5, 1000.0], atol=0.4)
+    assert passes([0.0, 1100.0], rtol=0.1) and not passes([0.0, 1200.0], rtol=0.1)
+
+
+def test_nan_or_infinity_in_outputs_gives_a_finite_or_infinite_difference_never_nan():
+    class Log(nn.Module):
+        def forward(self, x):
+            return x.log()
+
+    trace = _trace(Log(), torch.tensor([-1.0, 0.0, 4.0]))
+    log = trace["log_1"]
+    saved = log.out
+    assert torch.isnan(saved[0]) and saved[1] == -math.inf
+    assert trace.validate()  # NaN and -inf in the saved output and in the replay compare equal
+
+    def worst(values: list[float]) -> list[tuple[str, float]]:
+        trace.saved[log.index][0] = torch.tensor(values)
+        return [(m.label, m.max_abs_diff) for m in trace.validate().mismatches]
+
+    # -inf matches -inf: the difference is the 1.0 elsewhere, not inf - inf = NaN
+    assert worst([math.nan, -math.inf, math.log(4.0) + 1.0]) == [("log_1", 1.0)]
+    # the NaN replaced by a number: infinitely far, as is a finite value where the replay gives -inf
+    assert worst([0.5, -math.inf, math.log(4.0)]) == [("log_1", math.inf)]
+    assert worst([math.nan, -3.0, math.log(4.0)]) == [("log_1", math.inf)]

@@ -98,9 +98,11 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float
     if exp.is_floating_point() or exp.is_complex():
         if torch.allclose(res, exp, atol=atol, rtol=rtol, equal_nan=True):
             return None
-        diff = (res.to(torch.complex128 if exp.is_complex() else torch.float64) - exp).abs()
-        diff = diff[~(torch.isnan(res) & torch.isnan(exp))]
-        return float(diff.max()) if diff.numel() else math.inf, ""
+        # Only the elements that differ: equal infinities would give inf - inf = NaN. A NaN on one side only
+        # is infinitely far from the number on the other (max() of a NaN would report NaN).
+        differs = (res != exp) & ~(torch.isnan(res) & torch.isnan(exp))
+        diff = (res.to(torch.complex128 if exp.is_complex() else torch.float64) - exp).abs()[differs]
+        return float(diff.nan_to_num(nan=math.inf, posinf=math.inf).max()), ""
     if torch.equal(res, exp):
         return None
     return float((res.to(torch.float64) - exp.to(torch.float64)).abs().max()), ""
