@@ -292,7 +292,9 @@ def test_bool_output_is_compared_exactly(heads):
 def test_every_output_of_a_multi_output_op_is_compared(heads):
     max_op = heads["max_1"]
     values, indices = heads.saved[max_op.index]
-    heads.saved[max_op.index][1] = indices.flip(0) if not torch.equal(indices.flip(0), indices) else indices + 1
+    heads.saved[max_op.index][1] = (
+        indices.flip(0) if not torch.equal(indices.flip(0), indices) else indices + 1
+    )
     diff = float((heads.saved[max_op.index][1] - indices).abs().max())
     report = heads.validate()
     # max_1's second output (the indices) differs; add_1, replayed from the tampered indices, differs too.
@@ -336,7 +338,10 @@ def test_replay_that_raises_is_reported_not_skipped(net):
     trace.saved[trace["relu_1"].index][0] = torch.zeros(5, 7)  # addmm_2 cannot multiply 5x7 by 8x3
     report = trace.validate()
     assert (report.checked, report.n_skipped) == (5, 0)
-    assert [(m.label, m.max_abs_diff) for m in report.mismatches] == [("relu_1", math.inf), ("addmm_2", math.inf)]
+    assert [(m.label, m.max_abs_diff) for m in report.mismatches] == [
+        ("relu_1", math.inf),
+        ("addmm_2", math.inf),
+    ]
     assert report.mismatches[0].detail == "shape (5, 8) != saved (5, 7)"
     assert report.mismatches[1].detail.startswith("replay raised RuntimeError: mat1 and mat2 shapes")
     assert "mismatch addmm_2: max abs diff inf (replay raised RuntimeError" in str(report)

@@ -11,3 +11,6 @@ import torch
 TAG = "_tl_src"
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 OWN_DIR = os.path.dirname(__file__) + os.sep
+# Default tolerances of validate() for floating-point outputs (integer and bool outputs must match exactly).
+VALIDATE_ATOL = 1e-6
+VALIDATE_RTOL = 1e-5

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._common import VALIDATE_ATOL, VALIDATE_RTOL
 from ._opinfo import mutated_tensors, op_info
 from ._recorder import fill_skeleton, flat_outputs
 from .errors import TlDistError, ValidationError
@@ -130,7 +131,11 @@ def _skip_reason(info: Any, expected: list | None) -> str | None:
 
 
 def validate(
-    trace: Trace, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5
+    trace: Trace,
+    *,
+    raise_on_mismatch: bool = False,
+    atol: float = VALIDATE_ATOL,
+    rtol: float = VALIDATE_RTOL,
 ) -> ValidationReport:
     """Re-execute every saved op of ``trace`` from its parents' saved outputs and compare with its own.
 
