@@ -78,9 +78,12 @@ def _sizes(tmp_path, func, per_rank):
 
 
 def test_all_reduce_input_must_equal_output(tmp_path):
-    # Equal on both ranks, so only the in == out rule can see it.
-    assert _sizes(tmp_path, "all_reduce", [(4, 8), (4, 8)]) == [
+    # Equal on both ranks, so only the in == out rule can see it (broadcast and reduce share it).
+    assert _sizes(tmp_path / "a", "all_reduce", [(4, 8), (4, 8)]) == [
         ("size_mismatch", (0, 1), "input != output (in, out) on ranks {0: (4, 8), 1: (4, 8)}")
+    ]
+    assert _sizes(tmp_path / "b", "broadcast", [(4, 4), (4, 6), (4, 4)]) == [
+        ("size_mismatch", (1,), "input != output (in, out) on ranks {1: (4, 6)}")
     ]
 
 

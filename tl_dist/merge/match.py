@@ -10,8 +10,8 @@ by position without running the aligner. p2p send/recv pair by (group, src, dst,
 Verdict per joined collective, first that applies:
 
 - when every member issued it at the same position: ``type_mismatch`` (different collectives),
-  ``dtype_mismatch``, ``size_mismatch`` (sizes break the kind's rule -- all_reduce: in == out and equal on
-  all members; all_gather / gather: equal inputs, out == in x group size; reduce_scatter / scatter: equal
+  ``dtype_mismatch``, ``size_mismatch`` (sizes break the kind's rule -- all_reduce, broadcast, reduce:
+  in == out and equal on all members; all_gather / gather: equal inputs, out == in x group size; reduce_scatter / scatter: equal
   outputs, in == out x group size; all_to_all: total in == total out; others: equal payloads). A
   disagreement is the cause even when the collective then failed on some members.
 - ``not_completed``  a member issued it but never saw it complete, or a member whose shard is incomplete
@@ -254,6 +254,9 @@ _FAN_SIDES = {
     "scatter": ("output", "input"),
 }
 
+# Kinds that reduce or copy one buffer of the same size on every member: in == out on each.
+_IN_PLACE = frozenset({"all_reduce", "broadcast", "reduce"})
+
 
 def _minority(values: dict[int, Any]) -> tuple[int, ...]:
     """The ranks outside the largest group of equal values (ties: the group with the lowest rank wins)."""
@@ -293,7 +296,7 @@ def _size_problem(func: str, entries: list[Entry], group_size: int) -> tuple[str
         return f"total input {total_in} != total output {total_out}", _minority(
             {r: (ins[r], outs[r]) for r in ins}
         )
-    if func == "all_reduce":
+    if func in _IN_PLACE:
         bad = {r: (ins[r], outs[r]) for r in ins if outs[r] > 0 and ins[r] > 0 and outs[r] != ins[r]}
         if bad:
             return f"input != output (in, out) on ranks {bad}", tuple(sorted(bad))
