@@ -52,6 +52,24 @@ def test_in_module_stops_at_the_address_boundary(siblings):
     assert len(_labels(siblings, tl.in_module(""))) == 6  # the root module holds every op
 
 
+def test_in_module_covers_a_submodule_called_without_its_parent():
+    class Direct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer1 = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            self.layer10 = nn.Sequential(nn.Linear(2, 2))
+
+        def forward(self, x):
+            # layer1.0 and layer10.0 run straight from the top: layer1's own forward never runs
+            return self.layer10[0](self.layer1[0](x))
+
+    trace = _trace(Direct(), torch.randn(1, 2))
+    assert [(op.label, op.module_stack) for op in trace][1] == ("addmm_1", ("", "layer1.0"))
+    assert _labels(trace, tl.in_module("layer1")) == ["t_1", "addmm_1"]  # inside a submodule of layer1
+    assert _labels(trace, tl.in_module("layer10")) == ["t_2", "addmm_2"]
+    assert _labels(trace, tl.in_module("layer1.0")) == ["t_1", "addmm_1"]
+
+
 def test_module_func_and_label_rules(siblings):
     # module(): the op whose output is the module's output (layer1's is its ReLU's)
     assert _labels(siblings, tl.module("layer1")) == ["relu_1"]
@@ -84,6 +102,16 @@ def test_reprs_name_the_selection():
         return op.flops > 0
 
     assert repr(tl.where(big)) == "tl.where('big')"
+    assert repr(tl.label("relu_2", "add_1")) == "tl.label('add_1', 'relu_2')"
+
+    class Threshold:  # a callable without __name__: its own repr names it
+        def __call__(self, op):
+            return op.flops > 10
+
+        def __repr__(self):
+            return "Threshold(10)"
+
+    assert repr(tl.where(Threshold())) == "tl.where(Threshold(10))"
 
 
 def test_bad_selectors_name_what_was_expected():

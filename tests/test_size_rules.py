@@ -15,7 +15,7 @@ from merge_synth import coll, make_trace
 from tl_dist.merge.graph import build
 
 # Pure computation (no I/O, no processes): many examples are cheap; no deadline on a shared 2-core machine.
-settings.register_profile("size_rules", max_examples=150, deadline=None)
+EXAMPLES = settings(max_examples=150, deadline=None)
 
 SAME = ("all_reduce", "broadcast", "reduce")  # every member moves the same buffer in place: in == out == k
 KINDS = (*SAME, "all_gather", "gather", "reduce_scatter", "scatter", "all_to_all")
@@ -55,14 +55,14 @@ def _findings(kind, sizes):
     return [(f.kind, f.ranks) for f in g.findings]
 
 
-@settings(settings.get_profile("size_rules"))
+@EXAMPLES
 @given(healthy())
 def test_sizes_that_follow_the_contract_give_no_finding(case):
     kind, sizes, _ = case
     assert _findings(kind, sizes) == []
 
 
-@settings(settings.get_profile("size_rules"))
+@EXAMPLES
 @given(healthy(), st.data())
 def test_one_member_off_gives_one_size_mismatch_blaming_it(case, data):
     kind, sizes, root = case
