@@ -387,3 +387,59 @@ def test_nan_or_infinity_in_outputs_gives_a_finite_or_infinite_difference_never_
     # the NaN replaced by a number: infinitely far, as is a finite value where the replay gives -inf
     assert worst([0.5, -math.inf, math.log(4.0)]) == [("log_1", math.inf)]
     assert worst([math.nan, -3.0, math.log(4.0)]) == [("log_1", math.inf)]
+
+
+def test_report_text_lists_every_mismatch_and_skip():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.ReLU()).train()
+    trace = _trace(model, torch.randn(3, 4))
+    mul = trace["mul_1"]
+    trace.saved[mul.index][0] = mul.out + 0.25
+    trace.saved[trace["relu_1"].index][0] = torch.zeros(2)  # a shape change: a mismatch with a detail
+    report = trace.validate()
+    assert str(report) == "\n".join(
+        [
+            "validation FAILED: 5 ops replayed, 2 mismatched, 2 skipped",
+            "  mismatch mul_1: max abs diff 0.25",
+            "  mismatch relu_1: max abs diff inf (shape (3, 4) != saved (2,))",
+            "  skipped empty_like_1: returns uninitialised memory",
+            "  skipped bernoulli__1: nondeterministic op (random numbers)",
+        ]
+    )
+    # a value difference has no detail text: the number says it all
+    assert report.mismatches[0].detail == ""
+
+
+def test_one_element_and_integer_mismatches_have_no_detail():
+    class Reduce(nn.Module):
+        def forward(self, x):
+            return x.sum(), x.argmax()
+
+    trace = _trace(Reduce(), torch.tensor([1.0, 5.0, 2.0]))
+    total, arg = trace["sum_1"], trace["argmax_1"]
+    assert total.out_shapes == ((),) and arg.out.item() == 1
+    trace.saved[total.index][0] = total.out + 0.5  # one element: still compared
+    trace.saved[arg.index][0] = arg.out + 2
+    report = trace.validate()
+    assert [(m.label, m.max_abs_diff, m.detail) for m in report.mismatches] == [
+        ("sum_1", 0.5, ""),
+        ("argmax_1", 2.0, ""),
+    ]
+
+
+def test_differences_are_computed_in_double_precision_and_complex():
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    trace = _trace(Double(), torch.tensor([5e-10]))
+    mul = trace["mul_1"]
+    trace.saved[mul.index][0] = torch.tensor([1.0])
+    # 1.0 - 1e-9: in float32 that would round to 1.0
+    replayed = float(torch.tensor([5e-10]).mul(2).double())
+    assert trace.validate().mismatches[0].max_abs_diff == 1.0 - replayed != 1.0
+
+    trace = _trace(Double(), torch.tensor([1 + 2j], dtype=torch.complex64))
+    mul = trace["mul_1"]
+    assert mul.out.tolist() == [2 + 4j]
+    trace.saved[mul.index][0] = torch.tensor([2 + 4.5j], dtype=torch.complex64)
+    assert trace.validate().mismatches[0].max_abs_diff == 0.5  # |(2+4j) - (2+4.5j)|, imaginary part included
