@@ -443,3 +443,39 @@ def test_differences_are_computed_in_double_precision_and_complex():
     assert mul.out.tolist() == [2 + 4j]
     trace.saved[mul.index][0] = torch.tensor([2 + 4.5j], dtype=torch.complex64)
     assert trace.validate().mismatches[0].max_abs_diff == 0.5  # |(2+4j) - (2+4.5j)|, imaginary part included
+
+
+def test_op_with_a_tensor_keyword_argument_replays_from_it():
+    class Out(nn.Module):
+        def forward(self, x, buf):
+            return torch.add(x * 2, 1, out=buf)  # add.out: out= is a keyword-only tensor the op writes into
+
+    x, buf = torch.randn(3), torch.zeros(3)
+    trace = _trace(Out(), (x, buf))
+    assert [op.func for op in trace] == ["mul", "add"]
+    assert trace["add_1"].aten == "aten.add.out"
+    report = trace.validate()
+    assert report and report.checked == 2, str(report)
+    assert torch.equal(buf, x * 2 + 1)  # the replay wrote into a copy of out=, not into the model's buffer
+
+
+def test_collective_is_skipped_with_the_reason():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(3)
+
+        class Reduce(nn.Module):
+            def forward(self, x):
+                y = x * 2
+                dist.all_reduce(y)
+                return y + 1
+
+        trace = _trace(Reduce(), t)
+    finally:
+        dist.destroy_process_group()
+    assert [op.func for op in trace] == ["mul", "all_reduce", "add"]
+    report = trace.validate()
+    assert report.skipped == {"all_reduce_1": "collective: replaying it would need every member rank"}
+    assert report.checked == 2 and report
