@@ -1,13 +1,14 @@
 """trace.validate(): replaying saved ops from their parents' saved outputs; skips, mismatches, side effects."""
 
 import math
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import tl_dist as tl
-from tl_dist.validate import ValidationReport
+from tl_dist.validate import ValidationReport, validate
 
 
 class Net(nn.Module):
@@ -192,10 +193,41 @@ def test_replay_runs_without_grad(net):
 def test_bad_tolerances_name_the_argument(net):
     model, x = net
     trace = _trace(model, x)
-    with pytest.raises(ValueError, match="atol"):
-        trace.validate(atol=-1.0)
-    with pytest.raises(ValueError, match="rtol"):
-        trace.validate(rtol="0.1")
+    for bad in (-1.0, "0.1", True, None):
+        with pytest.raises(
+            ValueError, match=rf"^atol must be a non-negative number, got {re.escape(repr(bad))}$"
+        ):
+            trace.validate(atol=bad)
+        with pytest.raises(
+            ValueError, match=rf"^rtol must be a non-negative number, got {re.escape(repr(bad))}$"
+        ):
+            trace.validate(rtol=bad)
+    assert trace.validate(atol=0, rtol=0)  # zero is allowed, ints too
+
+
+def test_validate_function_reports_by_default_and_raises_on_request(net):
+    model, x = net
+    trace = _trace(model, x)
+    relu = trace["relu_1"]
+    trace.saved[relu.index][0] = relu.out + 1.0
+    report = validate(trace)  # the module-level function, with its own defaults
+    assert not report and [m.label for m in report.mismatches] == ["relu_1", "addmm_2"]
+    with pytest.raises(
+        tl.ValidationError, match=r"^2 of 5 replayed ops did not reproduce their saved output: "
+    ):
+        validate(trace, raise_on_mismatch=True)
+
+
+def test_op_whose_output_was_dropped_is_skipped(net):
+    model, x = net
+    trace = _trace(model, x)
+    del trace.saved[trace["relu_1"].index]  # e.g. freed by the user to save memory
+    report = trace.validate()
+    assert report.skipped == {
+        "relu_1": "own output not saved",
+        "addmm_2": "input from relu_1 (output 0) was not saved",
+    }
+    assert report.checked == 3 and report
 
 
 class StaleAlias(nn.Module):
@@ -242,7 +274,11 @@ def test_size_zero_empty_is_checked_not_skipped():
 def test_validate_without_replay_information_says_so():
     model = nn.Sequential(nn.Linear(4, 2))
     trace = tl.trace(model, torch.randn(3, 4), save=None)
-    with pytest.raises(tl.TlDistError, match="nothing to replay"):
+    message = (
+        "validate() has nothing to replay: the trace holds no replay information (it was captured with "
+        "save=None, or loaded from a shard). Trace again in this process with save=True or a selector."
+    )
+    with pytest.raises(tl.TlDistError, match=f"^{re.escape(message)}$"):
         trace.validate()
 
 
