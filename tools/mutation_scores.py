@@ -24,7 +24,9 @@ NAME = re.compile(r"^\s*(?P<name>(?P<module>[\w.]+?)\.x[ǁ_]\S+): (?P<status>.+)
 def results() -> dict[str, dict[str, str]]:
     """module -> {mutant name -> status} from ``mutmut results --all true``."""
     mutmut = Path(sys.executable).with_name("mutmut")
-    out = subprocess.run([str(mutmut), "results", "--all", "true"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(mutmut), "results", "--all", "true"], capture_output=True, text=True, check=True
+    )
     by_module: dict[str, dict[str, str]] = defaultdict(dict)
     for line in out.stdout.splitlines():
         m = NAME.match(line)
