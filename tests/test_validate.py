@@ -77,7 +77,9 @@ def test_tampered_saved_output_is_reported_with_label_and_difference(net):
     assert report.mismatches[1].max_abs_diff > 0
     text = str(report)
     assert "FAILED" in text and "mismatch relu_1: max abs diff 0.25" in text
-    with pytest.raises(tl.ValidationError, match=r"relu_1 \(max abs diff 0.25\).*addmm_2"):
+    with pytest.raises(
+        tl.ValidationError, match=r"output: relu_1 \(max abs diff 0.25\), addmm_2 \(max abs diff"
+    ):
         trace.validate(raise_on_mismatch=True)
 
 
@@ -366,6 +368,10 @@ def test_every_output_of_a_multi_output_op_is_compared(heads):
     assert report.mismatches[0].max_abs_diff == pytest.approx(2.0)
     heads.saved[norm.index][0] = out + 3.0
     assert heads.validate().mismatches[0].max_abs_diff == pytest.approx(3.0)
+    # equally bad outputs (both infinitely far): the first one's detail is reported
+    heads.saved[norm.index][0] = out[:, :3]
+    heads.saved[norm.index][2] = rstd.double()
+    assert heads.validate().mismatches[0].detail == "shape (5, 6) != saved (5, 3)"
 
 
 def test_dtype_change_is_a_mismatch(heads):
@@ -383,7 +389,10 @@ def test_extra_saved_output_is_a_mismatch(heads):
     mul = heads["mul_1"]
     heads.saved[mul.index].append(mul.out.clone())  # mul returns one tensor; two are saved
     report = heads.validate()
-    assert [(m.label, m.detail) for m in report.mismatches] == [("mul_1", "1 outputs != saved 2")]
+    assert [(m.label, m.max_abs_diff, m.detail) for m in report.mismatches] == [
+        ("mul_1", math.inf, "1 outputs != saved 2")
+    ]
+    assert report.checked == 7  # the ops after it are still replayed
 
 
 def test_replay_that_raises_is_reported_not_skipped(net):
