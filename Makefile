@@ -62,7 +62,7 @@ bench: $(STAMP)
 # Mutation testing (mutmut, config in pyproject.toml) of the modules whose answers users trust, each against its
 # fast tests; one module at a time on one core (CPU-heavy: about an hour in all on 2 cores). Not part of `make
 # test`. Prints killed / total per module (docs/testing.md has the scores and the equivalent survivors).
-MUTATED := validate merge.match merge.clocks selectors _opinfo
+MUTATED := validate merge.match merge.clocks selectors _opinfo telemetry
 
 mutation: $(STAMP)
 	@for m in $(MUTATED); do $(VENV)/bin/mutmut run --max-children 1 "tl_dist.$$m.*" || exit 1; done
