@@ -40,12 +40,13 @@ def test_export_draw_and_errors(tmp_path, capsys):
     run = _run(tmp_path)
     assert main(["export", str(run), "--perfetto", str(tmp_path / "t.json")]) == 0
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-    # per rank: a process name, and the two ops (mm, then the all_reduce) as slices; one flow joins the
-    # two all_reduce_1 slices, from rank 0 to rank 1
+    # per rank: a process name, the two ops (mm, then the all_reduce) as slices on the forward track, and the
+    # collective in flight on its own lane; one flow joins the two ranks' collectives, from rank 0 to rank 1
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {0: "rank 0", 1: "rank 1"}
     slices = [(e["pid"], e["name"]) for e in events if e["ph"] == "X"]
-    assert slices == [(0, "mm_1"), (0, "all_reduce_1"), (1, "mm_1"), (1, "all_reduce_1")]
+    per_rank = ["mm_1", "all_reduce_1", "all_reduce seq 1"]
+    assert slices == [(r, name) for r in (0, 1) for name in per_rank]
     flows = [(e["ph"], e["pid"], e["name"]) for e in events if e["ph"] in ("s", "t", "f")]
     assert flows == [("s", 0, "all_reduce seq 1"), ("f", 1, "all_reduce seq 1")]
     if have("dot"):
