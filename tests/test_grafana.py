@@ -66,7 +66,9 @@ def queries(dashboard: dict) -> list[tuple[str, str, str]]:
     out = []
     for panel in all_panels(dashboard):
         for target in panel.get("targets", []):
-            out.append((f"panel {panel['title']!r} {target['refId']}", target["expr"], target["legendFormat"]))
+            out.append(
+                (f"panel {panel['title']!r} {target['refId']}", target["expr"], target["legendFormat"])
+            )
     for var in dashboard["templating"]["list"]:
         if var["type"] == "query":
             out.append((f"variable {var['name']!r}", label_values_selector(var["definition"]), ""))
@@ -205,7 +207,9 @@ def test_every_query_names_metrics_and_labels_the_exporter_serves(job):
             labels = set().union(*series) | TARGET_LABELS
             query_labels |= labels
             for m in sel.matchers.matchers:
-                assert m.name in labels, f"{where}: {sel.name} has no label {m.name!r} (it has {sorted(labels)})"
+                assert m.name in labels, (
+                    f"{where}: {sel.name} has no label {m.name!r} (it has {sorted(labels)})"
+                )
                 if m.op == promql_parser.MatchOp.Equal and m.name not in TARGET_LABELS:
                     values = {lb.get(m.name) for lb in series}
                     assert m.value in values, f"{where}: {sel.name}{{{m.name}={m.value!r}}} never exported"
@@ -224,7 +228,9 @@ def test_every_query_names_metrics_and_labels_the_exporter_serves(job):
 
 def test_panel_promql_checker_catches_a_misspelt_metric_and_label(job):
     scraped = job.first_scrape
-    (sel,) = selectors(interpolate('sum by (tl_rank) (rate(tl_step_duration_second_sum{job="$job"}[$window]))'))
+    (sel,) = selectors(
+        interpolate('sum by (tl_rank) (rate(tl_step_duration_second_sum{job="$job"}[$window]))')
+    )
     assert sel.name == "tl_step_duration_second_sum" and sel.name not in scraped
     (sel,) = selectors('tl_tensor_norm{tl_of="grads"}')
     assert {m.value for m in sel.matchers.matchers} == {"grads"}
@@ -258,7 +264,9 @@ def layout_problems(dashboard: dict) -> list[str]:
 
 def variables_used(dashboard: dict) -> set[str]:
     text = json.dumps({k: v for k, v in dashboard.items() if k != "templating"})
-    text += json.dumps([{k: v for k, v in var.items() if k != "name"} for var in dashboard["templating"]["list"]])
+    text += json.dumps(
+        [{k: v for k, v in var.items() if k != "name"} for var in dashboard["templating"]["list"]]
+    )
     return {a or b or c for a, b, c in re.findall(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]", text)}
 
 
@@ -266,7 +274,9 @@ def test_layout_ids_and_variables():
     dashboard = load_dashboard()
     assert layout_problems(dashboard) == []
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    )
     assert {"job", "rank"} <= set(variables)
     used = variables_used(dashboard)
     assert used - GRAFANA_BUILTINS <= set(variables), used - GRAFANA_BUILTINS - set(variables)
@@ -274,9 +284,11 @@ def test_layout_ids_and_variables():
     ds = {"type": "prometheus", "uid": "${datasource}"}
     for panel in all_panels(dashboard):
         if panel["type"] != "row":  # every query goes to the chosen Prometheus, none to a fixed uid
-            assert panel["datasource"] == ds and all(t["datasource"] == ds for t in panel["targets"]), panel["title"]
+            assert panel["datasource"] == ds, panel["title"]
+            assert all(t["datasource"] == ds for t in panel["targets"]), panel["title"]
             assert panel["description"] and panel["targets"], panel["title"]
-    for panel in all_panels(dashboard):  # counters and bucket counts count captured windows only: panels say so
+    # Counters and bucket counts count captured windows only: the panels showing them say so.
+    for panel in all_panels(dashboard):
         if any("_total" in t["expr"] or t.get("format") == "heatmap" for t in panel.get("targets", [])):
             assert "captured windows only" in panel["description"], panel["title"]
     assert dashboard["uid"] and dashboard["schemaVersion"] >= 36
@@ -300,7 +312,9 @@ def test_layout_check_catches_overlaps_duplicate_ids_and_overflow(tmp_path):
 
 def test_provisioning_files_point_at_the_dashboard():
     docs = (ROOT / "docs" / "grafana.md").read_text()
-    (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "tl_dist.yaml").read_text())["providers"]
+    (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "tl_dist.yaml").read_text())[
+        "providers"
+    ]
     assert provider["type"] == "file"
     assert provider["options"]["path"] in docs  # where the docs say to put tl_dist.json
     (source,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "tl_dist.yaml").read_text())[
@@ -342,8 +356,8 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
-    def query(self, expr: str) -> list[dict]:
-        return self.get("/api/v1/query", query=expr)["result"]
+    def query(self, expr: str, **params) -> list[dict]:
+        return self.get("/api/v1/query", query=expr, **params)["result"]
 
     def wait(self, what, timeout=30.0):
         deadline = time.monotonic() + timeout
@@ -377,23 +391,28 @@ def test_prometheus_evaluates_every_query_to_the_windows_numbers(job, tmp_path):
         for _ in range(3):  # each window lands in its own scrape: rates over them see all three
             job.step()
             prom.wait(lambda: float(windows()[0]["value"][1]) == len(job.traces))
-        # Samples on both sides of the last window, so that the range ends past it.
-        seen = time.monotonic()
-        prom.wait(lambda: time.monotonic() - seen > 0.5)
+        # Every query at the last scrape, over a range from 1 ms before the first scrape (which saw window 0
+        # only): rate() then extrapolates every series by the same 1 ms, and means and ratios are exact.
+        (scrapes,) = prom.query(f'tl_step_duration_seconds_count{{job="{JOB}"}}[5m]')
+        (first, _), (last, _) = scrapes["values"][0], scrapes["values"][-1]
+        assert [v for _, v in scrapes["values"]][:: len(scrapes["values"]) - 1] == ["1", "4"]
+        window = f"{round((last - first) * 1000) + 1}ms"
         dashboard = load_dashboard()
         results = {}
         for where, expr, _ in queries(dashboard):
-            sent = interpolate(expr, window="1m")
+            sent = interpolate(expr, window=window)
             if where.startswith("variable"):
                 name = re.search(r"'(\w+)'", where)[1]
                 var = next(v for v in dashboard["templating"]["list"] if v["name"] == name)
                 label = re.fullmatch(r"label_values\(.+,\s*(\w+)\)", var["definition"], re.S)[1]
                 results[where] = prom.get(f"/api/v1/label/{label}/values", **{"match[]": sent})
             else:
-                results[where] = prom.query(sent)
+                results[where] = prom.query(sent, time=last)
     finally:
         prom.close()
-    gpu_only = {w for w, e, _ in queries(dashboard) if any(s.name in GPU_ONLY for s in selectors(interpolate(e)))}
+    gpu_only = {
+        w for w, e, _ in queries(dashboard) if any(s.name in GPU_ONLY for s in selectors(interpolate(e)))
+    }
     assert gpu_only == {"panel 'MFU (mean of ranks)' A", "panel 'MFU per rank' A"}
     for where, result in results.items():
         if where in gpu_only:
@@ -407,15 +426,15 @@ def test_prometheus_evaluates_every_query_to_the_windows_numbers(job, tmp_path):
     # The numbers, from the three windows Prometheus saw change (the first one was there before it started).
     seen = job.traces[1:]
     wall = [t.metadata["window_end_ns"] - t.metadata["window_start_ns"] for t in seen]
-    assert value(results["panel 'Step time per rank' A"], tl_rank="0") == pytest.approx(sum(wall) / 3e9, rel=1e-6)
+    assert value(results["panel 'Step time per rank' A"], tl_rank="0") == pytest.approx(
+        sum(wall) / 3e9, rel=1e-6
+    )
     assert value(results["panel 'Step time' A"]) == pytest.approx(sum(wall) / 3e9, rel=1e-6)
 
     def op_ns(trace, **match):
         cols = trace.columns
         return sum(
-            d
-            for i, d in enumerate(cols["duration_ns"])
-            if all(cols[k][i] == v for k, v in match.items())
+            d for i, d in enumerate(cols["duration_ns"]) if all(cols[k][i] == v for k, v in match.items())
         )
 
     phases = results["panel 'Op time per step by phase' A"]
@@ -423,17 +442,36 @@ def test_prometheus_evaluates_every_query_to_the_windows_numbers(job, tmp_path):
         expected = sum(op_ns(t, phase=phase) for t in seen) / 3e9
         assert value(phases, tl_phase=phase) == pytest.approx(expected, rel=1e-6), phase
     ops = results["panel 'Slowest op funcs' B"]
-    assert value(ops, tl_op_func="addmm", tl_phase="forward") == pytest.approx(2)  # Block's Linear, the Linear
+    # Two addmm a window: Block's Linear and the Linear.
+    assert value(ops, tl_op_func="addmm", tl_phase="forward") == pytest.approx(2)
     assert value(results["panel 'Captured windows' A"]) == 4
     assert value(results["panel 'Ranks reporting' A"]) == 1
     # Two NaN outputs per window (the log, the loss summing it), four windows.
     assert value(results["panel 'Non-finite values' A"]) == 8
     nonfinite = results["panel 'Non-finite values per module' A"]
-    assert {(r["metric"]["tl_module"], r["metric"]["tl_of"]) for r in nonfinite} == {("3", "out"), (OUTSIDE, "out")}
-    # FLOP/s: the last window's FLOPs over its wall time; forward addmm 2*3*4*4 + 2*3*4*2, backward mm ...
+    assert {(r["metric"]["tl_module"], r["metric"]["tl_of"]) for r in nonfinite} == {
+        ("3", "out"),
+        (OUTSIDE, "out"),
+    }
+    # FLOP/s: the last window's FLOPs (per op, from its trace) over its wall time.
     last = job.traces[-1]
     flops = sum(last.columns["flops"])
     fps = flops / ((last.metadata["window_end_ns"] - last.metadata["window_start_ns"]) / 1e9)
     assert value(results["panel 'FLOP/s per rank' A"], tl_rank="0") == pytest.approx(fps, rel=1e-6)
+    # The outermost module's forward: every forward op inside a module (all but the loss's sum).
     rows = results["panel 'Slowest modules' A"]
     assert {r["metric"]["tl_module"] for r in rows} >= {"<root>", "0", "0.lin", "1", OUTSIDE}
+    inside = sum(
+        d
+        for t in seen
+        for d, phase, stack in zip(t.columns["duration_ns"], t.columns["phase"], t.columns["module_stack"])
+        if phase == "forward" and stack
+    )
+    assert value(rows, tl_module="<root>", tl_phase="forward") == pytest.approx(inside / 3e9, rel=1e-6)
+    # One all_reduce a window: its mean issue -> completion time.
+    waits = [
+        c - i for t in seen for i, c in zip(t.collective_table["issue_ns"], t.collective_table["complete_ns"])
+    ]
+    assert len(waits) == 3
+    durations = results["panel 'Collective duration by kind' A"]
+    assert value(durations, tl_collective_kind="all_reduce") == pytest.approx(sum(waits) / 3e9, rel=1e-6)
