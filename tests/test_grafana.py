@@ -332,12 +332,12 @@ def _free_port() -> int:
 
 
 class Prometheus:
-    """A Prometheus server on 127.0.0.1 scraping one endpoint every 200 ms, with its TSDB in ``folder``."""
+    """A Prometheus server on 127.0.0.1 scraping one endpoint every 300 ms, with its TSDB in ``folder``."""
 
     def __init__(self, folder: Path, target_url: str):
         target = urllib.parse.urlsplit(target_url)
         config = {
-            "global": {"scrape_interval": "200ms", "scrape_timeout": "150ms"},
+            "global": {"scrape_interval": "300ms", "scrape_timeout": "300ms"},
             "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [target.netloc]}]}],
         }
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -386,11 +386,15 @@ def value(result: list[dict], **labels) -> float:
 def test_prometheus_evaluates_every_query_to_the_windows_numbers(job, tmp_path):
     prom = Prometheus(tmp_path, job.prom.url)
     try:
-        windows = lambda: prom.query(f'tl_step_duration_seconds_count{{job="{JOB}"}}')  # noqa: E731
-        prom.wait(lambda: windows() and float(windows()[0]["value"][1]) == len(job.traces))
+
+        def seen_all_windows() -> bool:  # (none: not scraped yet, or the last scrape failed)
+            found = prom.query(f'tl_step_duration_seconds_count{{job="{JOB}"}}')
+            return bool(found) and float(found[0]["value"][1]) == len(job.traces)
+
+        prom.wait(seen_all_windows)
         for _ in range(3):  # each window lands in its own scrape: rates over them see all three
             job.step()
-            prom.wait(lambda: float(windows()[0]["value"][1]) == len(job.traces))
+            prom.wait(seen_all_windows)
         # Every query at the last scrape, over a range from 1 ms before the first scrape (which saw window 0
         # only): rate() then extrapolates every series by the same 1 ms, and means and ratios are exact.
         (scrapes,) = prom.query(f'tl_step_duration_seconds_count{{job="{JOB}"}}[5m]')
