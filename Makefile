@@ -9,7 +9,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # Debian packages the tests and the demo use, as program:package. `make` installs the missing ones when it
 # can (root, or passwordless sudo, with apt-get); otherwise it prints the command and carries on: drawing
 # then says how to get Graphviz, and tests that need a program skip with the reason (tests/external.py).
-SYSTEM_TOOLS := dot:graphviz h5dump:hdf5-tools chromium:chromium
+SYSTEM_TOOLS := dot:graphviz h5dump:hdf5-tools chromium:chromium prometheus:prometheus
 
 .PHONY: demo test lint format bench mutation install system-packages
 
