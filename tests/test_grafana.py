@@ -181,10 +181,10 @@ def test_every_query_names_metrics_and_labels_the_exporter_serves(job):
     # What the step put there: one all_reduce, norms, a NaN (docs/telemetry.md's metric table).
     assert {lb["tl_collective_kind"] for lb in scraped["tl_collective_bytes_total"]} == {"all_reduce"}
     assert {lb["tl_of"] for lb in scraped["tl_tensor_norm"]} == {"out", "grad"}
-    assert {(lb["tl_module"], lb["tl_of"]) for lb in scraped["tl_nonfinite_total"]} == {
-        ("3", "out"),  # log of a negative
-        (OUTSIDE, "out"),  # the loss, sum() of it
-    }
+    nonfinite = {(lb["tl_module"], lb["tl_of"]) for lb in scraped["tl_nonfinite_total"]}
+    assert {("3", "out"), (OUTSIDE, "out")} <= nonfinite  # log of a negative; the loss, sum() of it
+    # Modules with statistics have their series from the first window, at 0 (so a first NaN alerts).
+    assert {(lb["tl_module"], lb["tl_of"]) for lb in scraped["tl_tensor_norm"]} <= nonfinite
     assert job.traces[0].metadata.get("device_name", "") == ""  # on CPU: no peak, so no tl_step_mfu
     assert not GPU_ONLY.keys() & set(scraped)
     docs = (ROOT / "docs" / "telemetry.md").read_text().splitlines()
