@@ -123,9 +123,9 @@ def step_metrics(
     for r, row in enumerate(scalars):
         metrics[f"tl/rank{r}/compute_ms"] = row[_AT["compute_ns"]] / 1e6
         metrics[f"tl/rank{r}/comm_ms"] = row[_AT["comm_ns"]] / 1e6
-    # The rank the others wait for is the one that spends the most of the window outside collectives.
-    busy = [w - c for w, c in zip(wall, comm)]
-    metrics["tl/slowest_rank"] = float(max(range(world), key=lambda r: (busy[r], -r)))
+    # The rank the others wait for arrives last at the collectives, so it spends the least time in them
+    # (window starts differ between ranks, so wall time does not tell).
+    metrics["tl/slowest_rank"] = float(min(range(world), key=lambda r: (comm[r], r)))
     if statistics:
         metrics["tl/nonfinite_ranks"] = sum(column("nonfinite"))
     if modules is None:

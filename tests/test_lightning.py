@@ -67,7 +67,7 @@ def expected_metrics(ts: list) -> dict[str, float]:
     for r, t in enumerate(ts):
         m[f"tl/rank{r}/compute_ms"] = t.compute_ns / 1e6
         m[f"tl/rank{r}/comm_ms"] = t.comm_ns / 1e6
-    m["tl/slowest_rank"] = max(range(world), key=lambda r: ts[r].wall_ns - ts[r].comm_ns)
+    m["tl/slowest_rank"] = min(range(world), key=lambda r: (ts[r].comm_ns, r))  # least time waiting
     m["tl/nonfinite_ranks"] = 0
     shallow = [a for a in ADDRESSES if a.count(".") <= 1]  # depth <= 2
     mean_ms = {
