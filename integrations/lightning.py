@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,12 @@ from typing_extensions import override
 
 import tl_dist as tl
 from tl_dist.errors import TlDistError
+from tl_dist.merge.draw import merged_source
 from tl_dist.options import check_options
 from tl_dist.sinks import check_sinks
 from tl_dist.store.sink import shard_path
 from tl_dist.telemetry import summarize
+from tl_dist.views.draw import GRAPHVIZ_HINT
 
 from ._step_metrics import (
     SCALARS,
@@ -48,6 +51,8 @@ __all__ = ["NonFiniteError", "TelemetryCallback"]
 ON_NONFINITE = ("warn", "raise", "stop")
 SUPERSEDED = "superseded"
 """Folder (under the shard folder) where shards of steps a fit runs again are moved, never overwritten."""
+MAX_DRAWN_NODES = 5_000
+"""graph.svg is not laid out past this many nodes (dot would run for hours; it takes a minute or two for a few thousand); graph.dot is written."""
 _PRECISION_DTYPES = {"64": torch.float64, "32": torch.float32, "16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -135,6 +140,7 @@ class TelemetryCallback(pl.Callback):
         self._peak: float | None = None
         self._timed: tuple[str, ...] = ()
         self._every: tuple[str, ...] = ()
+        self._children: set[str] = set()
         self._key = 0.0
 
     # -- fit lifecycle ------------------------------------------------------------------------------------
@@ -154,6 +160,7 @@ class TelemetryCallback(pl.Callback):
         self._next_due = -(-step // self.every_n_steps) * self.every_n_steps  # first multiple >= step
         self._peak = self.peak_flops or _device_peak(trainer)
         self._timed, self._every = module_addresses([name for name, _ in pl_module.named_modules()])
+        self._children = {name for name, _ in pl_module.named_children()}
         self._key = modules_key(self._timed, self._every)
 
     def _resolve_dir(self, trainer: pl.Trainer) -> Path:
@@ -301,7 +308,7 @@ class TelemetryCallback(pl.Callback):
             rank_zero_warn(f"tl_dist: could not merge the shards in {out}: {exc}")
             return
         try:
-            written.append(_draw_last_step(g, out))
+            written.append(_draw_last_step(g, out, self._children))
         except tl.MissingToolError as exc:
             print(f"tl_dist: skipped graph.svg: {exc}")
         metrics = {"tl/findings": float(len(g.findings))}
@@ -367,15 +374,41 @@ def _set_aside(out: Path, rank: int, world_size: int, from_step: int, tag: str) 
             shutil.move(str(path), str(target))
 
 
-def _draw_last_step(g: Any, out: Path) -> str:
-    """``graph.svg``: the ranks of the last captured step, the LightningModule's children as clusters and
-    their submodules collapsed into one node each."""
+def _draw_last_step(g: Any, out: Path, children: set[str]) -> str:
+    """``graph.dot``, and ``graph.svg`` laid out from it by a detached ``dot``: the ranks of the last captured
+    step, the LightningModule's children as clusters, everything below them collapsed into one node each.
+
+    Every backward and optimizer op is a node of its own, so a real model's step has thousands of nodes and
+    dot can take minutes: it runs in its own process, which outlives the fit, and ``graph.svg`` appears when
+    it is done (written under a temporary name, then renamed). Past :data:`MAX_DRAWN_NODES` it is not started.
+    """
     last = g.steps[-1]
     shards = [shard_path(out, r, last) for r in g.ranks if shard_path(out, r, last).exists()]
     step_graph = g if len(g.steps) == 1 else tl.merge_ranks(shards)
     table = step_graph.rank(g.ranks[0]).module_table
-    depths = [d for a, d in zip(table["address"], table["depth"]) if a and "." not in a]
-    return step_graph.draw(str(out / "graph.svg"), depth=min(depths) if depths else 1)
+    depths = [d for a, d in zip(table["address"], table["depth"]) if a in children]
+    source = merged_source(step_graph, depth=min(depths) if depths else 1)
+    dot_file = out / "graph.dot"
+    dot_file.write_text(source)
+    dot = shutil.which("dot")
+    if dot is None:
+        raise tl.MissingToolError(
+            f"Graphviz's `dot` is not on PATH; wrote {dot_file} only. Install Graphviz ({GRAPHVIZ_HINT}), then "
+            f"`dot -Tsvg {dot_file} -o {out / 'graph.svg'}`"
+        )
+    nodes = source.count(" [label=")
+    if nodes > MAX_DRAWN_NODES:
+        print(f"tl_dist: {dot_file} has {nodes} nodes, too many to lay out after a fit; not drawn")
+        return str(dot_file)
+    svg = out / "graph.svg"
+    subprocess.Popen(  # noqa: S603 - fixed argv, no shell input from outside
+        ["sh", "-c", '"$0" -Tsvg "$1" -o "$2.tmp" && mv "$2.tmp" "$2"', dot, str(dot_file), str(svg)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not killed with the training's process group
+    )
+    return f"{svg} (laid out in the background)"
 
 
 def _findings_table(findings: list[Any]) -> str:

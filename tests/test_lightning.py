@@ -11,12 +11,14 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pandas as pd
 import pytest
 import torch
+from external import have
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning_models import (
@@ -133,6 +135,7 @@ def spawn_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.needs("dot", optional=True)
 def test_ddp_spawn_writes_shards_at_the_chosen_steps_and_merges(spawn_run):
     log_dir, _ = spawn_run
     shard_dir = log_dir / "tl_dist"
@@ -144,6 +147,12 @@ def test_ddp_spawn_writes_shards_at_the_chosen_steps_and_merges(spawn_run):
     events = json.loads((shard_dir / "timeline.json").read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert "cluster_s6r1_rank" in (shard_dir / "graph.dot").read_text()  # the last step, both ranks
+    if have("dot"):  # laid out by a detached dot
+        deadline = time.monotonic() + 120
+        while not (shard_dir / "graph.svg").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (shard_dir / "graph.svg").read_text().lstrip().startswith("<?xml")
     end = logged_rows(log_dir / "metrics.csv")[7]
     assert end["tl/findings"] == 0
     caused = tl.merge_ranks(shard_dir).stragglers().groupby("rank")["caused_wait_ns"].sum()

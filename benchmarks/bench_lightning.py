@@ -1,0 +1,130 @@
+"""Lightning fit with ``TelemetryCallback`` against the same fit without it: 2 processes (``ddp_spawn``, gloo),
+a small transformer classifier, 200 optimizer steps.
+
+Modes: ``plain`` (no callback) and ``every50`` (``TelemetryCallback(every_n_steps=50)``, defaults: metrics
+logged, merge at the end), alternating which goes first, for ``--rounds`` rounds; then ``every1`` (every step
+captured; reported, no target) against one more ``plain`` fit. Printed as ratios to ``plain`` of the same round
+(median over rounds, and the min):
+
+- ``fit``: wall time of ``trainer.fit`` in the launching process (process start-up, training, the callback's
+  merge at the end). Target for ``every50``: <= 1.02x.
+- ``loop``: rank 0's time from ``on_train_start`` to ``on_train_end`` (the training loop alone).
+
+Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_lightning.py [--rounds 3] [--steps 200]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from torch import nn  # noqa: E402
+
+from tl_dist.integrations.lightning import TelemetryCallback  # noqa: E402
+
+VOCAB, LENGTH, WIDTH = 256, 64, 64
+
+
+class TinyTransformer(pl.LightningModule):
+    """Embedding -> 2 transformer encoder layers (width 64, 4 heads) -> mean pool -> linear; AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, nhead=4, dim_feedforward=4 * WIDTH, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, 8)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, labels = batch
+        logits = self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+        return nn.functional.cross_entropy(logits, labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class LoopTimer(pl.Callback):
+    """Rank 0 writes the seconds from on_train_start to on_train_end to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.start = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            Path(self.path).write_text(str(time.perf_counter() - self.start))
+
+
+def data(steps: int, batch: int = 16) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    n = steps * batch * 2  # each of the 2 ranks sees `steps` batches
+    tokens = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
+    labels = torch.randint(0, 8, (n,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=batch)
+
+
+def fit(mode: str, steps: int, root: Path) -> tuple[float, float]:
+    """(fit wall seconds, rank 0 loop seconds) of one fit."""
+    timer_file = root / f"{mode}.loop"
+    callbacks: list[pl.Callback] = [LoopTimer(str(timer_file))]
+    if mode != "plain":
+        callbacks.append(TelemetryCallback(50 if mode == "every50" else 1))
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=steps,
+        logger=CSVLogger(str(root), name=mode),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=50,
+    )
+    loader = data(steps)
+    t0 = time.perf_counter()
+    trainer.fit(TinyTransformer(), loader)
+    wall = time.perf_counter() - t0
+    return wall, float(timer_file.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ratios: dict[str, dict[str, list[float]]] = {m: {"fit": [], "loop": []} for m in ("every50", "every1")}
+    with tempfile.TemporaryDirectory() as tmp:
+        fit("plain", 20, Path(tmp) / "warmup")  # first Lightning/dispatch use in the process is slow
+        rounds = [("plain", "every50") if r % 2 == 0 else ("every50", "plain") for r in range(args.rounds)]
+        for r, order in enumerate([*rounds, ("plain", "every1")]):
+            times = {m: fit(m, args.steps, Path(tmp) / f"round{r}") for m in order}
+            print(f"round {r}: " + ", ".join(f"{m} fit {t[0]:.1f}s loop {t[1]:.1f}s" for m, t in times.items()))
+            mode = next(m for m in order if m != "plain")
+            ratios[mode]["fit"].append(times[mode][0] / times["plain"][0])
+            ratios[mode]["loop"].append(times[mode][1] / times["plain"][1])
+    print(f"\n{args.steps} steps, 2 ranks (ddp_spawn), ratios to plain (median / min over rounds):")
+    for mode, target in (("every50", "  (target <= 1.02x)"), ("every1", "")):
+        fit_r, loop_r = ratios[mode]["fit"], ratios[mode]["loop"]
+        print(
+            f"  {mode:<8} fit {statistics.median(fit_r):.3f}x / {min(fit_r):.3f}x   "
+            f"loop {statistics.median(loop_r):.3f}x / {min(loop_r):.3f}x   ({len(fit_r)} rounds){target}"
+        )
+
+if __name__ == "__main__":
+    main()
