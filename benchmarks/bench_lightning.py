@@ -114,7 +114,9 @@ def main() -> None:
         rounds = [("plain", "every50") if r % 2 == 0 else ("every50", "plain") for r in range(args.rounds)]
         for r, order in enumerate([*rounds, ("plain", "every1")]):
             times = {m: fit(m, args.steps, Path(tmp) / f"round{r}") for m in order}
-            print(f"round {r}: " + ", ".join(f"{m} fit {t[0]:.1f}s loop {t[1]:.1f}s" for m, t in times.items()))
+            print(
+                f"round {r}: " + ", ".join(f"{m} fit {t[0]:.1f}s loop {t[1]:.1f}s" for m, t in times.items())
+            )
             mode = next(m for m in order if m != "plain")
             ratios[mode]["fit"].append(times[mode][0] / times["plain"][0])
             ratios[mode]["loop"].append(times[mode][1] / times["plain"][1])
@@ -125,6 +127,7 @@ def main() -> None:
             f"  {mode:<8} fit {statistics.median(fit_r):.3f}x / {min(fit_r):.3f}x   "
             f"loop {statistics.median(loop_r):.3f}x / {min(loop_r):.3f}x   ({len(fit_r)} rounds){target}"
         )
+
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning_models import Regressor, ShardedRegressor, loader, params, trainer_kwargs  # noqa: E402
+
 from tl_dist.integrations.lightning import TelemetryCallback  # noqa: E402
 
 

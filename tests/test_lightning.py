@@ -30,12 +30,12 @@ from lightning_models import (
     params,
     trainer_kwargs,
 )
-from tl_dist.integrations.lightning import NonFiniteError, TelemetryCallback
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
 import tl_dist as tl
 from tl_dist.arm import armed
+from tl_dist.integrations.lightning import NonFiniteError, TelemetryCallback
 
 HERE = Path(__file__).resolve().parent
 PEAK = 1e12  # FLOP/s per device given to the callback, for tl/mfu
