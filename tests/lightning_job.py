@@ -4,7 +4,8 @@
     python tests/lightning_job.py --strategy ddp --out DIR [--accumulate 2] [--max-steps 3] [--every 2]
 
 Fits a ``Regressor`` with ``TelemetryCallback(out_dir=DIR/tl)``, then the same model from the same seed without
-it, and rank 0 writes ``DIR/result.json``: whether the parameters after both fits are equal.
+it, and rank 0 writes ``DIR/result.json``: whether the parameters after both fits are equal, and differ
+from the initial ones.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
 
     model_class = Regressor if args.strategy == "ddp" else ShardedRegressor
+    torch.manual_seed(0)
+    init = params(Regressor())
     results = []
     for callbacks in ([TelemetryCallback(args.every, out_dir=out / "tl")], []):
         torch.manual_seed(0)
@@ -62,9 +65,9 @@ def main() -> None:
         results.append(params(model))
     if trainer.is_global_zero:
         equal = all(torch.equal(results[0][k], results[1][k]) for k in results[0])
-        (out / "result.json").write_text(
-            json.dumps({"params_equal": equal, "world_size": trainer.world_size})
-        )
+        trained = all(not torch.equal(results[0][k], init[k]) for k in results[0])
+        result = {"params_equal": equal, "trained": trained, "world_size": trainer.world_size}
+        (out / "result.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -131,6 +131,8 @@ def spawn_run(tmp_path_factory):
         )
         trainer.fit(model, loader())
         runs[name] = params(model)
+    torch.manual_seed(0)
+    runs["init"] = params(Regressor())
     return root / "traced" / "run" / "version_0", runs
 
 
@@ -196,9 +198,10 @@ def test_ddp_spawn_phases_under_automatic_optimization(spawn_run):
 @pytest.mark.slow
 def test_ddp_spawn_leaves_the_training_unchanged(spawn_run):
     _, runs = spawn_run
-    assert runs["traced"].keys() == runs["plain"].keys()
+    assert runs["traced"].keys() == runs["plain"].keys() == runs["init"].keys()
     for name, value in runs["traced"].items():
         assert torch.equal(value, runs["plain"][name]), name
+        assert not torch.equal(value, runs["init"][name]), name  # rank 0's trained weights came back
 
 
 # -- strategies that re-execute sys.argv: a standalone script in a subprocess ---------------------------------
@@ -212,7 +215,11 @@ def run_job(tmp_path: Path, *args: str) -> Path:
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert json.loads((out / "result.json").read_text()) == {"params_equal": True, "world_size": 2}
+    assert json.loads((out / "result.json").read_text()) == {
+        "params_equal": True,
+        "trained": True,
+        "world_size": 2,
+    }
     return out / "tl"
 
 
