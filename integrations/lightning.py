@@ -13,6 +13,7 @@ batch -- captured on every rank at the same ``trainer.global_step``. Everything 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -112,7 +113,9 @@ class TelemetryCallback(pl.Callback):
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         if peak_flops is not None and (
-            isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0
+            isinstance(peak_flops, bool)
+            or not isinstance(peak_flops, (int, float))
+            or not 0 < peak_flops < math.inf
         ):
             raise ValueError(
                 f"peak_flops must be a positive number (FLOP/s of one device) or None, got {peak_flops!r}"

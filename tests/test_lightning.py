@@ -387,6 +387,7 @@ def test_exception_in_the_step_leaves_a_post_mortem_and_nothing_behind(tmp_path)
         ({"on_nonfinite": "ignore"}, "on_nonfinite must be one of"),
         ({"peak_flops": -1.0}, "peak_flops must be a positive number"),
         ({"peak_flops": math.nan}, "peak_flops must be a positive number"),
+        ({"peak_flops": math.inf}, "peak_flops must be a positive number"),
     ],
 )
 def test_bad_arguments_name_the_option(kwargs, message):
