@@ -105,11 +105,11 @@ def main() -> None:
         print(f"\nstep {last['step']} (rank 0 writes the metrics of every rank):")
         for name in ("tl/forward_ms", "tl/backward_ms", "tl/optimizer_ms", "tl/comm_ms", "tl/slowest_rank"):
             print(f"  {name:<18} {float(last[name]):10.3f}")
-        print(f"\nmetrics:   {metrics}")
-        print(f"shards:    {telemetry.shard_dir}/rank*/step*.h5 (steps {telemetry.captured_steps})")
+        print(f"\nmetrics:       {metrics}")
+        print(f"shards:        {telemetry.shard_dir}/rank*/step*.h5 (steps {telemetry.captured_steps})")
         for name in ("merged.h5", "timeline.json", "graph.svg"):
             path = telemetry.shard_dir / name
-            print(f"{name + ':':<11}{path}" + ("" if path.exists() else " (not written)"))
+            print(f"{name + ':':<15}{path}" + ("" if path.exists() else " (not written)"))
 
 
 if __name__ == "__main__":
