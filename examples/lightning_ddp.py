@@ -109,7 +109,15 @@ def main() -> None:
         print(f"shards:        {telemetry.shard_dir}/rank*/step*.h5 (steps {telemetry.captured_steps})")
         for name in ("merged.h5", "timeline.json", "graph.svg"):
             path = telemetry.shard_dir / name
-            print(f"{name + ':':<15}{path}" + ("" if path.exists() else " (not written)"))
+            pending = name == "graph.svg" and (telemetry.shard_dir / "graph.dot").exists()
+            note = (
+                ""
+                if path.exists()
+                else " (dot is laying it out in the background)"
+                if pending
+                else " (not written)"
+            )
+            print(f"{name + ':':<15}{path}{note}")
 
 
 if __name__ == "__main__":
