@@ -46,6 +46,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 demo: install
 	$(PY) examples/demo.py
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --out runs/ddp-demo
+	$(PY) examples/lightning_ddp.py --out runs/lightning-demo
 
 test: install
 	$(PY) -m pytest -q

@@ -227,6 +227,7 @@ def capture(
     *,
     options: CaptureOptions | None = None,
     step: int | None = None,
+    root: torch.nn.Module | None = None,
     save: Any = None,
     save_grads: Any = None,
     stats: Any = None,
@@ -240,6 +241,9 @@ def capture(
             below (not both). When ``tl.arm`` is active, options not given take the armed defaults.
         step: training step of the window. When armed, the window goes to the armed sinks (the shard writer
             writes ``rank{RRRRR}/step{step:08d}.h5``; a window counter numbers it when None).
+        root: name modules by their address in ``root`` (as ``root.named_modules()`` does), whatever wrapper
+            calls it (DDP, FSDP, Lightning's strategies); default: the first module called in the window is
+            the root.
         save: which op outputs to keep: ``True`` all, ``None`` none (metadata only), or a selector.
         save_grads: forward ops whose output gradient (of the loss backward runs on in the window) is kept:
             ``True``, ``None`` or a selector; ``trace["relu_2"].grad``.
@@ -256,6 +260,8 @@ def capture(
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    if root is not None and not isinstance(root, torch.nn.Module):
+        raise ValueError(f"root must be a torch.nn.Module or None, got {type(root).__name__}")
     session = _session.current()
     keywords = {
         "save": save,
@@ -272,7 +278,7 @@ def capture(
             UserWarning,
             stacklevel=2,
         )
-    cap = Capture(opts)
+    cap = Capture(opts, roots=[("", root)] if root is not None else None)
     cap._window = session.open_window(step) if session is not None else None
     return cap
 
