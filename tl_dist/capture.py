@@ -67,6 +67,7 @@ class Capture:
             raise TypeError(f"Capture() got unexpected options {unknown}; options: {list(_OPTION_NAMES)}")
         self.options = resolve_options(options, keywords, CaptureOptions())
         self._roots = roots or []
+        self._keep_node_hooks = False  # tl.trace: trace.log_backward may run backward after the window
         self.trace: Trace | None = None
         self._window: Any = None  # the armed session's window, when armed: it takes the trace on exit
         self._recorder: Recorder | None = None
@@ -112,8 +113,8 @@ class Capture:
             recorder.modules.uninstall()
             recorder.modules.close()
             recorder.phases.uninstall()
-            # tl.trace (roots given) keeps inert gradient hooks on the graph for trace.log_backward.
-            recorder.training.uninstall(keep_node_hooks=bool(self._roots))
+            # tl.trace keeps inert gradient hooks on the graph for trace.log_backward.
+            recorder.training.uninstall(keep_node_hooks=self._keep_node_hooks)
             if self._gc_was_enabled:
                 gc.enable()
         try:
@@ -327,6 +328,7 @@ def trace(
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     opts = CaptureOptions(save=save, save_grads=save_grads, stats=stats, source=source, keep_graph=keep_graph)
     cap = Capture(opts, roots=[("", model)])
+    cap._keep_node_hooks = True
     with cap:
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output
