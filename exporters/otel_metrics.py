@@ -132,15 +132,26 @@ class WindowMetrics:
             inst["tl.collective.bytes"].add(row.bytes, attrs)
             if row.completed:
                 inst["tl.collective.busbw"].set(row.busbw, attrs)
+        counted = set()
         for row in telemetry.nonfinite:
             label = module_label(row.module) if row.module != OUTSIDE else OUTSIDE
             attrs = self._attributes(("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of})
             inst["tl.nonfinite"].add(row.count, attrs)
+            counted.add((label, row.of))
         norm = inst["tl.tensor.norm"]
         for row in telemetry.norms:
-            if depth_of.get(row.module, 0) > deep or not math.isfinite(row.norm):
-                continue  # a NaN/Inf norm is what tl.nonfinite counts (the SDK refuses non-finite gauges)
+            if depth_of.get(row.module, 0) > deep:
+                continue
             label = module_label(row.module)
+            if (label, row.of) not in counted:
+                # Every module with statistics has its non-finite series from its first window, at 0: a
+                # counter's first sample is no increase to Prometheus, so a first NaN would never alert.
+                attrs = self._attributes(
+                    ("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of}
+                )
+                inst["tl.nonfinite"].add(0, attrs)
+            if not math.isfinite(row.norm):
+                continue  # a NaN/Inf norm is what tl.nonfinite counts (the SDK refuses non-finite gauges)
             norm.set(
                 row.norm, self._attributes(("norm", label, row.of), **{"tl.module": label, "tl.of": row.of})
             )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 
-PACKAGES = {"dot": "graphviz", "h5dump": "hdf5-tools", "chromium": "chromium"}
+PACKAGES = {"dot": "graphviz", "h5dump": "hdf5-tools", "chromium": "chromium", "prometheus": "prometheus"}
 
 
 def have(tool: str) -> bool:

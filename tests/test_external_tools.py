@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HIDDEN = ("dot", "h5dump", "chromium")
+HIDDEN = ("dot", "h5dump", "chromium", "prometheus")
 # Tests marked needs(..., optional=True): they must pass without the tools (DOT text checked, no picture).
 OPTIONAL = {
     "test_cli.py::test_export_draw_and_errors",

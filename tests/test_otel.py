@@ -116,7 +116,11 @@ def test_step_module_and_norm_metrics():
     assert mem.point("tl.tensor.norm", tl_module="2", tl_of="grad").value == pytest.approx(
         math.sqrt(6), rel=1e-6
     )
-    assert "tl.nonfinite" not in mem.metrics()
+    # Each module with statistics has its non-finite series from the first window on, at 0 (so that the first
+    # NaN is an increase Prometheus can alert on).
+    zeros = {(a["tl.module"], a["tl.of"]): p.value for a, p in mem.metrics()["tl.nonfinite"]}
+    assert set(zeros.values()) == {0}
+    assert set(zeros) == {(a["tl.module"], a["tl.of"]) for a, _ in mem.metrics()["tl.tensor.norm"]}
 
 
 def test_nonfinite_counter():
@@ -135,7 +139,8 @@ def test_nonfinite_counter():
             lin.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, -1.0]]))
             lin.bias.zero_()
     counts = {(a["tl.module"], a["tl.of"]): p.value for a, p in mem.metrics()["tl.nonfinite"]}
-    assert counts == {("1", "out"): 4, (OUTSIDE, "out"): 2}
+    assert {k: v for k, v in counts.items() if v} == {("1", "out"): 4, (OUTSIDE, "out"): 2}
+    assert counts[("0", "out")] == 0  # a module with statistics and no NaN: its series exists, at 0
     # The NaN output has no norm gauge (the SDK refuses non-finite values, and would log it): '0' has one.
     norms = {(a["tl.module"], a["tl.of"]) for a, _ in mem.metrics()["tl.tensor.norm"]}
     assert ("0", "out") in norms and ("1", "out") not in norms

@@ -67,6 +67,7 @@ class Capture:
             raise TypeError(f"Capture() got unexpected options {unknown}; options: {list(_OPTION_NAMES)}")
         self.options = resolve_options(options, keywords, CaptureOptions())
         self._roots = roots or []
+        self._keep_node_hooks = False  # tl.trace: trace.log_backward may run backward after the window
         self.trace: Trace | None = None
         self._window: Any = None  # the armed session's window, when armed: it takes the trace on exit
         self._recorder: Recorder | None = None
@@ -112,8 +113,8 @@ class Capture:
             recorder.modules.uninstall()
             recorder.modules.close()
             recorder.phases.uninstall()
-            # tl.trace (roots given) keeps inert gradient hooks on the graph for trace.log_backward.
-            recorder.training.uninstall(keep_node_hooks=bool(self._roots))
+            # tl.trace keeps inert gradient hooks on the graph for trace.log_backward.
+            recorder.training.uninstall(keep_node_hooks=self._keep_node_hooks)
             if self._gc_was_enabled:
                 gc.enable()
         try:
@@ -227,6 +228,7 @@ def capture(
     *,
     options: CaptureOptions | None = None,
     step: int | None = None,
+    root: torch.nn.Module | None = None,
     save: Any = None,
     save_grads: Any = None,
     stats: Any = None,
@@ -240,6 +242,9 @@ def capture(
             below (not both). When ``tl.arm`` is active, options not given take the armed defaults.
         step: training step of the window. When armed, the window goes to the armed sinks (the shard writer
             writes ``rank{RRRRR}/step{step:08d}.h5``; a window counter numbers it when None).
+        root: name modules by their address in ``root`` (as ``root.named_modules()`` does), whatever wrapper
+            calls it (DDP, FSDP, Lightning's strategies); default: the first module called in the window is
+            the root.
         save: which op outputs to keep: ``True`` all, ``None`` none (metadata only), or a selector.
         save_grads: forward ops whose output gradient (of the loss backward runs on in the window) is kept:
             ``True``, ``None`` or a selector; ``trace["relu_2"].grad``.
@@ -256,6 +261,8 @@ def capture(
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    if root is not None and not isinstance(root, torch.nn.Module):
+        raise ValueError(f"root must be a torch.nn.Module or None, got {type(root).__name__}")
     session = _session.current()
     keywords = {
         "save": save,
@@ -272,7 +279,7 @@ def capture(
             UserWarning,
             stacklevel=2,
         )
-    cap = Capture(opts)
+    cap = Capture(opts, roots=[("", root)] if root is not None else None)
     cap._window = session.open_window(step) if session is not None else None
     return cap
 
@@ -321,6 +328,7 @@ def trace(
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     opts = CaptureOptions(save=save, save_grads=save_grads, stats=stats, source=source, keep_graph=keep_graph)
     cap = Capture(opts, roots=[("", model)])
+    cap._keep_node_hooks = True
     with cap:
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output

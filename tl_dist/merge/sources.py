@@ -10,11 +10,10 @@ integer ids.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -171,7 +170,25 @@ _COLL_FIELDS = tuple(  # what an Entry holds
     or f.name in ("is_async", "issue_ns", "complete_ns", "state")
 )
 _GROUP_FIELD = next(f for f in COLLECTIVE_FIELDS if f.name == "group_ranks")
+_STACK_FIELD = next(f for f in OP_FIELDS if f.name == "module_stack")  # its offsets: inside a module call
 _STR_COLL = tuple(f.name for f in _COLL_FIELDS if f.kind == "str")
+
+
+@dataclass
+class _Tables:
+    """A shard's op and collective columns as :func:`~tl_dist.store.codecs.read_arrays` returns them (str columns
+    as codes into ``categories`` or, where None, into ``strings``), its collectives' groups, and per op whether it
+    ran inside a module call (None: not recorded)."""
+
+    n: int
+    ops: dict[str, np.ndarray]
+    op_categories: dict[str, Any]
+    m: int
+    ct: dict[str, np.ndarray]
+    ct_categories: dict[str, Any]
+    groups: list[tuple[int, ...]]
+    in_module: np.ndarray | None
+    strings: Any = None
 
 
 def read_rank(
@@ -180,32 +197,68 @@ def read_rank(
     """Read one shard's (or merged-file group's) tables into a :class:`RankData`. ``key``: (step, rank)."""
     from ..store.codecs import read_arrays
 
+    n, ops, op_categories = read_arrays(root, "ops", _OP_FIELDS)
+    m, ct, ct_categories = read_arrays(root, "collectives", _COLL_FIELDS)
+    groups = _groups(root["collectives"], ct["group_name"]) if m else []
+    tables = _Tables(n, ops, op_categories, m, ct, ct_categories, groups, _in_module(root["ops"], n), strings)
+    return rank_data(tables, metadata, failed_op, names, key)
+
+
+def trace_rank(trace: Trace, names: Interner, key: tuple) -> RankData:
+    """:func:`read_rank` of a trace in memory: its columns turned into the arrays a shard reads as."""
+    from ..store.codecs import _ARRAY_DTYPES
+
+    def arrays(columns: dict[str, list], fields: tuple) -> tuple[int, dict, dict]:
+        n = len(columns[fields[0].name])
+        out: dict[str, np.ndarray] = {}
+        categories: dict[str, Any] = {}
+        for f in fields:
+            values = columns[f.name]
+            if f.kind == "str":
+                categories[f.name], codes = np.unique(np.array(values, dtype=object), return_inverse=True)
+                out[f.name] = codes.reshape(-1).astype(np.int32)
+            else:
+                out[f.name] = np.array(values, dtype=_ARRAY_DTYPES[f.kind]).reshape(n)
+        return n, out, categories
+
+    n, ops, op_categories = arrays(trace.columns, _OP_FIELDS)
+    ct = trace.collective_table
+    m, cts, ct_categories = arrays(ct, _COLL_FIELDS)
+    groups = [tuple(g) for g in ct[_GROUP_FIELD.name]]
+    in_module = np.fromiter(map(bool, trace.columns[_STACK_FIELD.name]), dtype=bool, count=n)
+    tables = _Tables(n, ops, op_categories, m, cts, ct_categories, groups, in_module)
+    return rank_data(tables, dict(trace.metadata), trace.failed_op, names, key)
+
+
+def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, key: tuple) -> RankData:
+    """The :class:`RankData` of one shard's tables (see the module docstring)."""
     step, rank = key
     data = RankData(rank, step, metadata, failed_op)
-    n, ops, op_tables = read_arrays(root, "ops", _OP_FIELDS)
-    m, ct, ct_tables = read_arrays(root, "collectives", _COLL_FIELDS)
-    groups = _groups(root["collectives"], ct["group_name"]) if m else []
+    n, ops, m, ct, groups = tables.n, tables.ops, tables.m, tables.ct, tables.groups
 
-    def ids(arrays: dict, tables: dict, name: str, rows: np.ndarray | None = None) -> np.ndarray:
+    def ids(arrays: dict, categories: dict, name: str, rows: np.ndarray | None = None) -> np.ndarray:
         codes = arrays[name] if rows is None else arrays[name][rows]
-        return names.ids(codes, strings if tables[name] is None else tables[name])
+        return names.ids(codes, tables.strings if categories[name] is None else categories[name])
 
+    op_cat, ct_cat = tables.op_categories, tables.ct_categories
     data.n_ops = n
-    in_module = _in_module(root["ops"], n, ops, op_tables, ids) if n else np.zeros(0, dtype=bool)
+    in_module = tables.in_module
+    if in_module is None:  # a shard without module stacks: inside a module call when it names one
+        in_module = ids(ops, op_cat, "module") != 0 if n else np.zeros(0, dtype=bool)  # id 0 is ""
     if n:
         starts, durations = ops["start_ns"], ops["duration_ns"]
-        is_coll = ids(ops, op_tables, "kind") == names.id("collective")
+        is_coll = ids(ops, op_cat, "kind") == names.id("collective")
         spans = ct["is_async"] & (ct["complete_ns"] >= 0)
         async_spans = (ct["op"][spans], ct["issue_ns"][spans], ct["complete_ns"][spans])
         data.local = local_breakdown(is_coll, starts, durations, async_spans)
         data.first_ns = int(starts.min())
         last = np.array([n - 1])
-        module = names.strings[int(ids(ops, op_tables, "module", last)[0])]
+        module = names.strings[int(ids(ops, op_cat, "module", last)[0])]
         data.last_op = {
             "op": n - 1,
-            "label": names.strings[int(ids(ops, op_tables, "label", last)[0])],
+            "label": names.strings[int(ids(ops, op_cat, "label", last)[0])],
             "module": module_name({"module": module, "module_stack": bool(in_module[-1])}),
-            "source": names.strings[int(ids(ops, op_tables, "source", last)[0])],
+            "source": names.strings[int(ids(ops, op_cat, "source", last)[0])],
         }
     if failed_op:
         data.last_op.update(failed_func=failed_op.get("func"), error=failed_op.get("error"))
@@ -216,9 +269,9 @@ def read_rank(
     at = np.where(valid, op, 0)
     where = {}
     for name in ("label", "module", "source"):
-        got = ids(ops, op_tables, name, at) if n else np.zeros(m, dtype=np.int64)
+        got = ids(ops, op_cat, name, at) if n else np.zeros(m, dtype=np.int64)
         where[name] = np.where(valid, got, 0)
-    coded = {name: ids(ct, ct_tables, name) for name in _STR_COLL}
+    coded = {name: ids(ct, ct_cat, name) for name in _STR_COLL}
     text = {name: names.text(coded[name]) for name in ("func", "group_name", "dtype", "state")}
     keys = list(zip(coded["func"].tolist(), where["module"].tolist(), where["source"].tolist()))
     data.entries = list(
@@ -253,19 +306,19 @@ def read_rank(
     return data
 
 
-def _in_module(
-    ops: h5py.Group, n: int, arrays: dict, tables: dict, ids: Callable[[dict, dict, str], np.ndarray]
-) -> np.ndarray:
+def _in_module(ops: h5py.Group, n: int) -> np.ndarray | None:
     """Per op whether it ran inside a module call (a non-empty ``module_stack``), from that column's offsets
-    alone; a shard without the column: whether it names a module."""
+    alone; None when the shard has no such column."""
     import h5py
 
     from ..store.codecs import _read_dataset
 
-    node = ops.get("module_stack")
+    if not n:
+        return np.zeros(0, dtype=bool)
+    node = ops.get(_STACK_FIELD.name)
     offsets = _read_dataset(node, "offsets") if isinstance(node, h5py.Group) else None
     if offsets is None or len(offsets) != n + 1:
-        return ids(arrays, tables, "module") != 0  # id 0 is ""
+        return None
     return np.diff(offsets) > 0
 
 
@@ -365,35 +418,21 @@ class MergedFileSource:
 
 
 class TraceSource:
-    """Traces already in memory, keyed by (step, rank), merged as shards are: each is written once to an
-    in-memory HDF5 file with the store's codecs and read back by the merge's own reader, so both take one path.
+    """Traces already in memory, keyed by (step, rank), merged as shards are (their columns turned into the
+    arrays :func:`read_rank` reads from a shard, :func:`trace_rank`).
 
     Example:
         >>> g = build(TraceSource(traces), sorted(traces), world_size=2, strict=True)
     """
 
     def __init__(self, traces: dict[tuple[int, int], Trace]) -> None:
-        import h5py
-
-        from ..schema import MODULE_CALL_FIELDS
-        from ..store.codecs import ShardOptions, write_table
-
         self.traces = dict(traces)
-        self._file = h5py.File(io.BytesIO(), "w")
-        options = ShardOptions()
-        for (step, rank), trace in sorted(self.traces.items()):
-            grp = self._file.create_group(f"s{step}_r{rank}")
-            write_table(grp, "ops", OP_FIELDS, trace.columns, options)
-            write_table(grp, "modules", MODULE_CALL_FIELDS, trace.module_table, options)
-            write_table(grp, "collectives", COLLECTIVE_FIELDS, trace.collective_table, options)
 
     def name(self, key: tuple[int, int]) -> str:
         return f"trace of rank {key[1]} step {key[0]} (in memory)"
 
     def read(self, key: tuple[int, int], names: Interner) -> RankData:
-        trace = self.traces[key]
-        grp = self._file[f"s{key[0]}_r{key[1]}"]
-        return read_rank(grp, dict(trace.metadata), trace.failed_op, None, names, key)
+        return trace_rank(self.traces[key], names, key)
 
     def trace(self, key: tuple[int, int], fields: Iterable[str] | None = None) -> Trace:
         return self.traces[key]

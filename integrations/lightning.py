@@ -1,0 +1,424 @@
+"""Lightning: ``TelemetryCallback`` records the real training step on every rank, logs telemetry, merges at the end.
+
+Example:
+    >>> from tl_dist.integrations.lightning import TelemetryCallback
+    >>> trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[TelemetryCallback(every_n_steps=50)])
+    >>> trainer.fit(model)
+    # shards: <trainer.log_dir>/tl_dist/rank00001/step00000050.h5; merged.h5, timeline.json, graph.svg beside them
+
+A window is one optimizer step (all its accumulated micro-batches) of the training itself -- not a re-run of a
+batch -- captured on every rank at the same ``trainer.global_step``. Everything the callback logs is defined in
+``docs/lightning.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+import tl_dist as tl
+from tl_dist.errors import TlDistError
+from tl_dist.merge.draw import merged_source
+from tl_dist.options import check_options
+from tl_dist.sinks import check_sinks
+from tl_dist.store.sink import shard_path
+from tl_dist.telemetry import summarize
+from tl_dist.views.draw import GRAPHVIZ_HINT
+
+from ._step_metrics import (
+    SCALARS,
+    failed_scalars,
+    module_addresses,
+    modules_key,
+    nonfinite_message,
+    rank_module_values,
+    rank_scalars,
+    step_metrics,
+)
+
+__all__ = ["NonFiniteError", "TelemetryCallback"]
+
+ON_NONFINITE = ("warn", "raise", "stop")
+SUPERSEDED = "superseded"
+"""Folder (under the shard folder) where shards of steps a fit runs again are moved, never overwritten."""
+MAX_DRAWN_NODES = 5_000
+"""graph.svg is not laid out past this many nodes (dot would run for hours; it takes a minute or two for a few thousand); graph.dot is written."""
+_PRECISION_DTYPES = {"64": torch.float64, "32": torch.float32, "16": torch.float16, "bf16": torch.bfloat16}
+
+
+class NonFiniteError(TlDistError, ArithmeticError):
+    """A captured step recorded a NaN (or an infinite gradient) and ``on_nonfinite="raise"``."""
+
+
+class TelemetryCallback(pl.Callback):
+    """Capture every ``every_n_steps``-th optimizer step on every rank; log its telemetry; merge the ranks at the end.
+
+    Args:
+        every_n_steps: capture the optimizer steps whose ``trainer.global_step`` is a multiple of this.
+        out_dir: shard folder; default ``<trainer.log_dir>/tl_dist`` (resuming from a checkpoint: the folder of
+            the checkpointed run). Shards: ``rank{R:05d}/step{global_step:08d}.h5``.
+        options: what a window records (:class:`tl_dist.CaptureOptions`); with ``stats`` on, module output and
+            gradient norms are logged and non-finite values are caught.
+        sinks: more consumers of the windows (:class:`tl_dist.Sink`), e.g. an OpenTelemetry sink.
+        log: log the step telemetry to the trainer's loggers (names in ``docs/lightning.md``).
+        merge_on_end: at the end of ``fit``, rank 0 merges the shards into ``merged.h5``, ``timeline.json``
+            (Perfetto) and ``graph.svg`` (with Graphviz), and prints the findings.
+        on_nonfinite: with statistics on, what a NaN (or an infinite gradient) on any rank does: ``"warn"``,
+            ``"raise"`` (:class:`NonFiniteError` on every rank) or ``"stop"`` (``trainer.should_stop``).
+        peak_flops: peak FLOP/s of one device, for ``tl/mfu``; default from Lightning's
+            ``get_available_flops`` for the device and precision (none on CPU).
+
+    Example:
+        >>> cb = TelemetryCallback(every_n_steps=100, options=tl.CaptureOptions(stats=True), on_nonfinite="stop")
+        >>> L.Trainer(callbacks=[cb], logger=CSVLogger("logs")).fit(model)
+
+    Caveats: validation that runs between the micro-batches of a captured step is recorded in its window; the
+    telemetry of a window is computed on the training thread right after it (the shard is written in the
+    background).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        *,
+        out_dir: str | os.PathLike | None = None,
+        options: tl.CaptureOptions = tl.CaptureOptions(),  # noqa: B008 - frozen, so one shared default is safe
+        sinks: Any = (),
+        log: bool = True,
+        merge_on_end: bool = True,
+        on_nonfinite: str = "warn",
+        peak_flops: float | None = None,
+    ) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+            raise ValueError(
+                f"out_dir must be a str or os.PathLike folder (or None), got {type(out_dir).__name__}"
+            )
+        check_options(options)
+        for name, value in (("log", log), ("merge_on_end", merge_on_end)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        if peak_flops is not None and (
+            isinstance(peak_flops, bool)
+            or not isinstance(peak_flops, (int, float))
+            or not 0 < peak_flops < math.inf
+        ):
+            raise ValueError(
+                f"peak_flops must be a positive number (FLOP/s of one device) or None, got {peak_flops!r}"
+            )
+        self.every_n_steps = every_n_steps
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.options = options
+        self.sinks = check_sinks(sinks)
+        self.log = log
+        self.merge_on_end = merge_on_end
+        self.on_nonfinite = on_nonfinite
+        self.peak_flops = float(peak_flops) if peak_flops is not None else None
+        self.captured_steps: list[int] = []  # steps captured by this run (across resumes)
+        self.shard_dir: Path | None = None  # where this fit's shards go (resolved at train start)
+        self._restored_dir: str | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cap: Any = None  # the open tl.capture window
+        self._window_step = -1
+        self._armed = False
+        self._at_boundary = True  # the next batch is the first micro-batch of an optimizer step
+        self._batch_start_step = -1
+        self._next_due = 0
+        self._peak: float | None = None
+        self._timed: tuple[str, ...] = ()
+        self._every: tuple[str, ...] = ()
+        self._children: set[str] = set()
+        self._key = 0.0
+
+    # -- fit lifecycle ------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After checkpoint restoration (global_step and this callback's state are back), on every rank:
+        # trainer.log_dir and broadcast are collectives.
+        self._reset()
+        out = self._resolve_dir(trainer)
+        step = trainer.global_step
+        tag = trainer.strategy.broadcast(time.strftime("%Y%m%d-%H%M%S"))
+        _set_aside(out, trainer.global_rank, trainer.world_size, step, tag)
+        self.captured_steps = [s for s in self.captured_steps if s < step]
+        tl.arm(out, every=self.every_n_steps, sinks=self.sinks, options=self.options)
+        self._armed = True
+        self.shard_dir = out
+        self._next_due = -(-step // self.every_n_steps) * self.every_n_steps  # first multiple >= step
+        self._peak = self.peak_flops or _device_peak(trainer)
+        self._timed, self._every = module_addresses([name for name, _ in pl_module.named_modules()])
+        self._children = {name for name, _ in pl_module.named_children()}
+        self._key = modules_key(self._timed, self._every)
+
+    def _resolve_dir(self, trainer: pl.Trainer) -> Path:
+        if self.out_dir is not None:
+            return self.out_dir
+        log_dir = trainer.log_dir  # broadcast from rank 0: every rank must ask
+        default = str(Path(log_dir if log_dir is not None else trainer.default_root_dir) / "tl_dist")
+        # A resumed run goes on in the shard folder of the run it resumes, when that folder is still there
+        # (rank 0 decides: on several nodes the others may not see it).
+        restored = self._restored_dir
+        chosen = restored if trainer.is_global_zero and restored and Path(restored).is_dir() else default
+        return Path(trainer.strategy.broadcast(chosen))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        self._batch_start_step = step
+        if self._armed and self._cap is None and self._at_boundary and step >= self._next_due:
+            cap = tl.capture(step=step, root=pl_module)
+            cap.__enter__()
+            self._cap, self._window_step = cap, step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # An optimizer step ran in this batch exactly when global_step moved (automatic and manual optimization;
+        # accumulating micro-batches leave it unchanged).
+        stepped = trainer.global_step != self._batch_start_step
+        self._at_boundary = stepped
+        if self._cap is not None and stepped:
+            self._close_window(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._cap is not None:  # training ended inside a step (manual optimization that never stepped)
+            self._close_window(trainer)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        cap, self._cap = self._cap, None
+        if cap is not None:
+            # The error ended the window: arm's machinery writes its post-mortem shard now, synchronously,
+            # and the partial trace travels with the error (exception.tl_trace).
+            cap.__exit__(type(exception), exception, exception.__traceback__)
+        if self._armed:
+            self._armed = False
+            tl.disarm()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._armed:
+            return
+        if self._cap is not None:
+            self._close_window(trainer)
+        if not tl.flush():
+            rank_zero_warn(
+                f"tl_dist: rank {trainer.global_rank}: shards were still being written after the timeout"
+            )
+        trainer.strategy.barrier("tl_dist.merge")  # every rank's shards are on disk
+        try:
+            if self.merge_on_end and trainer.is_global_zero and self.captured_steps:
+                self._merge(trainer)
+        finally:
+            self._armed = False
+            tl.disarm()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._armed:  # a fit that ended without on_fit_end
+            self._armed = False
+            tl.disarm()
+
+    # -- state --------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "captured_steps": list(self.captured_steps),
+            "shard_dir": str(self.shard_dir) if self.shard_dir is not None else None,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.captured_steps = [int(s) for s in state_dict.get("captured_steps", ())]
+        self._restored_dir = state_dict.get("shard_dir")
+
+    # -- one window ---------------------------------------------------------------------------------------
+    def _close_window(self, trainer: pl.Trainer) -> None:
+        cap, self._cap = self._cap, None
+        cap.__exit__(None, None, None)  # hands the trace to the shard writer (background)
+        step = self._window_step
+        self.captured_steps.append(step)
+        self._next_due = (step // self.every_n_steps + 1) * self.every_n_steps
+        statistics = self.options.stats is not None
+        logging = self.log and bool(trainer.loggers)
+        if not (logging or statistics):
+            return
+        # Outside the window: the gathers below are not part of the recorded step.
+        try:
+            telemetry = summarize(cap.trace, peak_flops=self._peak)
+            scalars = rank_scalars(telemetry, self._key)
+        except Exception as exc:  # noqa: BLE001 - a telemetry failure must not end the training
+            rank_zero_warn(f"tl_dist: could not summarise step {step}: {type(exc).__name__}: {exc}")
+            telemetry, scalars = None, failed_scalars()
+        rows = _gather(trainer, scalars)
+        key_at = SCALARS.index("modules_key")
+        modules = None
+        if all(row[key_at] == self._key for row in rows) and (self._timed or self._every):
+            modules = _gather(trainer, rank_module_values(telemetry, self._timed, self._every))
+        if logging:
+            metrics = step_metrics(rows, modules, self._timed, self._every, statistics=statistics)
+            _log(trainer, metrics, step)
+        if statistics:
+            self._check_nonfinite(trainer, step, rows, telemetry)
+
+    def _check_nonfinite(
+        self, trainer: pl.Trainer, step: int, rows: list[list[float]], telemetry: Any
+    ) -> None:
+        flag = SCALARS.index("nonfinite")
+        bad = [r for r, row in enumerate(rows) if row[flag]]
+        if not bad:
+            return
+        mine = None
+        if telemetry is not None and telemetry.first_nonfinite is not None:
+            mine = dict(telemetry.first_nonfinite, rank=trainer.global_rank)
+        first = trainer.strategy.broadcast(mine, src=bad[0])  # every rank reports (and acts on) the same
+        message = nonfinite_message(step, bad, first)
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(message)
+        rank_zero_warn(message)
+        if self.on_nonfinite == "stop":
+            trainer.should_stop = True
+
+    # -- end of fit ---------------------------------------------------------------------------------------
+    def _merge(self, trainer: pl.Trainer) -> None:
+        out = self.shard_dir
+        try:
+            g = tl.merge_ranks(out)
+            written = [g.save(out / "merged.h5"), g.to_perfetto(str(out / "timeline.json"))]
+        except TlDistError as exc:
+            rank_zero_warn(f"tl_dist: could not merge the shards in {out}: {exc}")
+            return
+        try:
+            written.append(_draw_last_step(g, out, self._children))
+        except tl.MissingToolError as exc:
+            print(f"tl_dist: skipped graph.svg: {exc}")
+        metrics = {"tl/findings": float(len(g.findings))}
+        stragglers = g.stragglers()
+        if len(stragglers):
+            caused = stragglers.groupby("rank")["caused_wait_ns"].sum()
+            metrics["tl/top_straggler"] = float(caused.idxmax())
+        if self.log:
+            _log(trainer, metrics, trainer.global_step)
+        print(f"tl_dist: merged steps {g.steps} of {g.world_size} rank(s): {len(g.findings)} finding(s)")
+        if g.findings:
+            print(_findings_table(g.findings))
+        print("tl_dist: wrote " + ", ".join(str(p) for p in written))
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+def _gather(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (rank order), gathered with the strategy."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    gathered = trainer.strategy.all_gather(tensor)
+    if gathered.dim() == 1:  # a single-device strategy returns the tensor itself
+        gathered = gathered.unsqueeze(0)
+    return gathered.cpu().tolist()
+
+
+def _log(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()  # the window's row is on disk now, also when the fit dies later
+
+
+def _device_peak(trainer: pl.Trainer) -> float | None:
+    dtype = _PRECISION_DTYPES.get(str(trainer.precision).split("-")[0])
+    if dtype is None:
+        return None
+    peak = get_available_flops(trainer.strategy.root_device, dtype)
+    return float(peak) if peak else None
+
+
+def _set_aside(out: Path, rank: int, world_size: int, from_step: int, tag: str) -> None:
+    """Move the shards of steps >= ``from_step`` (a run this fit resumes, or an earlier run in the same folder,
+    went past them) to ``out/superseded/<tag>/``, so the fit never overwrites them and the merge sees one run.
+    Each rank moves its own; rank 0 also the folders of ranks beyond the world size."""
+    ranks = [rank]
+    if rank == 0 and out.is_dir():
+        ranks += [
+            int(p.name[4:])
+            for p in out.glob("rank*")
+            if p.name[4:].isdigit() and int(p.name[4:]) >= world_size
+        ]
+    for r in ranks:
+        folder = shard_path(out, r, 0).parent
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("step*.h5")):
+            number = path.stem[4:]
+            if not number.isdigit() or (int(number) < from_step and r < world_size):
+                continue
+            target = out / SUPERSEDED / tag / folder.name / path.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(path), str(target))
+
+
+def _draw_last_step(g: Any, out: Path, children: set[str]) -> str:
+    """``graph.dot``, and ``graph.svg`` laid out from it by a detached ``dot``: the ranks of the last captured
+    step, the LightningModule's children as clusters, everything below them collapsed into one node each.
+
+    Every backward and optimizer op is a node of its own, so a real model's step has thousands of nodes and
+    dot can take minutes: it runs in its own process, which outlives the fit, and ``graph.svg`` appears when
+    it is done (written under a temporary name, then renamed). Past :data:`MAX_DRAWN_NODES` it is not started.
+    """
+    last = g.steps[-1]
+    shards = [shard_path(out, r, last) for r in g.ranks if shard_path(out, r, last).exists()]
+    step_graph = g if len(g.steps) == 1 else tl.merge_ranks(shards)
+    table = step_graph.rank(g.ranks[0]).module_table
+    depths = [d for a, d in zip(table["address"], table["depth"]) if a in children]
+    source = merged_source(step_graph, depth=min(depths) if depths else 1)
+    dot_file = out / "graph.dot"
+    dot_file.write_text(source)
+    dot = shutil.which("dot")
+    if dot is None:
+        raise tl.MissingToolError(
+            f"Graphviz's `dot` is not on PATH; wrote {dot_file} only. Install Graphviz ({GRAPHVIZ_HINT}), then "
+            f"`dot -Tsvg {dot_file} -o {out / 'graph.svg'}`"
+        )
+    nodes = source.count(" [label=")
+    if nodes > MAX_DRAWN_NODES:
+        print(f"tl_dist: {dot_file} has {nodes} nodes, too many to lay out after a fit; not drawn")
+        return str(dot_file)
+    svg = out / "graph.svg"
+    subprocess.Popen(  # noqa: S603 - fixed argv, no shell input from outside
+        ["sh", "-c", '"$0" -Tsvg "$1" -o "$2.tmp" && mv "$2.tmp" "$2"', dot, str(dot_file), str(svg)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not killed with the training's process group
+    )
+    return f"{svg} (laid out in the background)"
+
+
+def _findings_table(findings: list[Any]) -> str:
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        [(f.step, f.kind, ",".join(map(str, f.ranks)), f.message) for f in findings],
+        columns=["step", "kind", "ranks", "message"],
+    )
+    return frame.to_string(index=False)
