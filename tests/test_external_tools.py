@@ -13,6 +13,7 @@ HIDDEN = ("dot", "h5dump", "chromium", "prometheus")
 # Tests marked needs(..., optional=True): they must pass without the tools (DOT text checked, no picture).
 OPTIONAL = {
     "test_cli.py::test_export_draw_and_errors",
+    "test_lightning.py::test_ddp_spawn_writes_shards_at_the_chosen_steps_and_merges",
     "test_cli.py::test_summary_and_draw_of_one_shard_show_that_shards_trace",
     "test_merge_dist.py::test_clean_run_every_kind_ddp_fsdp2",
     "test_merge_dist.py::test_train_ddp_example_under_torchrun",
