@@ -17,14 +17,16 @@ from typing import Any
 import torch
 
 from . import _session
+from . import replay as replay_module
 from ._common import storage_key
+from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .errors import TlDistError
 from .options import CaptureOptions, check_options
 from .telemetry import module_name
 from .trace import Trace
 
-_OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph")
+_OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph", "intervene")
 
 
 def resolve_options(
@@ -71,6 +73,7 @@ class Capture:
         self._window: Any = None  # the armed session's window, when armed: it takes the trace on exit
         self._recorder: Recorder | None = None
         self._mode: CaptureMode | None = None
+        self._interventions: Interventions | None = None
 
     def __enter__(self) -> Capture:
         if ACTIVE:
@@ -94,6 +97,9 @@ class Capture:
             recorder.modules.uninstall()
             recorder.phases.uninstall()
             raise
+        if opts.intervene is not None:
+            self._interventions = Interventions(recorder, opts.intervene)
+            self._interventions.install()
         ACTIVE.append(self)
         self._start_ns = time.time_ns()
         # Saved outputs add many small containers; letting the cyclic GC walk them mid-forward costs more
@@ -106,6 +112,8 @@ class Capture:
         recorder = self._recorder
         end_ns = time.time_ns()
         try:
+            if self._interventions is not None:
+                self._interventions.uninstall()
             self._mode.__exit__(exc_type, exc, tb)
         finally:
             ACTIVE.remove(self)
@@ -151,12 +159,14 @@ class Capture:
         cuda = next((d for d in set(columns["device"]) if d.startswith("cuda")), None)
         if cuda is not None:
             metadata["device_name"] = torch.cuda.get_device_name(torch.device(cuda))
+        if self._interventions is not None:
+            metadata["edited"] = self._interventions.labelled()
         return Trace(
             columns,
             modules.calls,  # the tracker is done with it: no copy
             collective_table=rec.comm.columns(columns),
             saved=rec.saved,
-            replay=rec.replay,
+            replay_records=rec.replay_records,
             output_of={i: tuple(a) for i, a in rec.output_of.items()},
             out_trees=modules.out_trees,
             output=output,
@@ -165,6 +175,8 @@ class Capture:
             grads=rec.training.grads,
             stats_table=rec.training.finish(),
             recorder=rec,
+            param_grads=rec.training.param_grads,
+            interventions=self.options.intervene or (),
         )
 
     def _warn_unmatched(self) -> None:
@@ -232,6 +244,7 @@ def capture(
     stats: Any = None,
     source: bool | None = None,
     keep_graph: bool | None = None,
+    intervene: Any = None,
 ) -> Capture:
     """A window recording every op of arbitrary code: ``with tl.capture() as cap: ...``; then ``cap.trace``.
 
@@ -248,6 +261,8 @@ def capture(
             ``None`` or a selector (any op, backward and optimizer ops included). See ``trace.stats_table``.
         source: record file:line of the user code issuing each op (default True).
         keep_graph: keep saved outputs attached to autograd so a loss can be built from them (default False).
+        intervene: edits applied as the code runs: ``tl.when(selector, edit)`` or a list of them, in order
+            (``docs/interventions.md``).
 
     Example:
         >>> with tl.capture(save=tl.func("relu")) as cap:
@@ -263,6 +278,7 @@ def capture(
         "stats": stats,
         "source": source,
         "keep_graph": keep_graph,
+        "intervene": intervene,
     }
     opts = resolve_options(options, keywords, session.options if session is not None else CaptureOptions())
     if session is None and step is not None:
@@ -287,6 +303,7 @@ def trace(
     source: bool = True,
     save_grads: Any = None,
     stats: Any = None,
+    intervene: Any = None,
 ) -> Trace:
     """Run ``model`` once on ``inputs`` and record every ATen op it executes.
 
@@ -300,6 +317,8 @@ def trace(
         source: record file:line of the user code issuing each op.
         save_grads: forward ops whose output gradient ``trace.log_backward(loss)`` keeps (``True``/selector).
         stats: ops whose output (and, after ``log_backward``, gradient) statistics are recorded.
+        intervene: edits applied as the model runs: ``tl.when(selector, edit)`` or a list of them, in order;
+            ``tl.when(tl.module("layer1"), tl.zero_ablate())`` (``docs/interventions.md``).
 
     Returns:
         The :class:`Trace`. If the forward raises, the error propagates with the partial trace as
@@ -319,9 +338,21 @@ def trace(
         args = (inputs,)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    opts = CaptureOptions(save=save, save_grads=save_grads, stats=stats, source=source, keep_graph=keep_graph)
+    opts = CaptureOptions(
+        save=save,
+        save_grads=save_grads,
+        stats=stats,
+        source=source,
+        keep_graph=keep_graph,
+        intervene=intervene,
+    )
     cap = Capture(opts, roots=[("", model)])
     with cap:
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output
     return cap.trace
+
+
+replay_module.RUNNERS.append(
+    trace
+)  # Fork.rerun runs the model through tl.trace; replay never imports capture
