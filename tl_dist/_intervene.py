@@ -71,6 +71,7 @@ class Interventions:
         self.op_rules = [w for w in rules if not w.module_site]
         self.module_rules = [w for w in rules if w.module_site]
         self.applied: dict[int, list[str]] = {}  # op index -> the edits applied to its outputs
+        self.applied_at: dict[int, int] = {}  # op index -> ops recorded when its edit took effect
         self.deferred: dict[tuple[int, int], list[When]] = {}  # (op, output) -> edits awaiting autograd
         # id -> tensor an in-place op wrote whose edit (under autograd) is a new tensor: it holds the unedited
         # value, so reading it later would silently skip the edit (kept alive, so the id stays its own).
@@ -103,10 +104,15 @@ class Interventions:
                 stacklevel=3,
             )
 
-    def labelled(self) -> dict[str, str]:
-        """Label -> the edits applied to that op, for the trace's metadata."""
+    def metadata(self) -> dict[str, dict[str, Any]]:
+        """For the trace's metadata: ``edited`` (label -> the edits applied to that op) and ``edits_applied_at``
+        (label -> how many ops had run when the edit took effect: ops before that read the unedited value, as
+        autograd's own ``detach`` of a result, or ops inside a module before the module's output is edited)."""
         rows = self.rec.rows
-        return {rows[i][_LABEL]: "; ".join(edits) for i, edits in sorted(self.applied.items())}
+        return {
+            "edited": {rows[i][_LABEL]: "; ".join(edits) for i, edits in sorted(self.applied.items())},
+            "edits_applied_at": {rows[i][_LABEL]: at for i, at in sorted(self.applied_at.items())},
+        }
 
     # -- op sites -------------------------------------------------------------------------------------------
     def on_op(
@@ -247,6 +253,7 @@ class Interventions:
     def _run(self, rule: When, value: Tensor, site: Site, index: int) -> Tensor:
         new = check_result(rule.edit(value, site), value, site, rule.edit)
         self.applied.setdefault(index, []).append(repr(rule.edit))
+        self.applied_at[index] = max(self.rec.n_ops, index + 1)
         return new
 
     def _note_saved(self, index: int, pos: int, new: Tensor) -> None:

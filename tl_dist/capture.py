@@ -160,7 +160,7 @@ class Capture:
         if cuda is not None:
             metadata["device_name"] = torch.cuda.get_device_name(torch.device(cuda))
         if self._interventions is not None:
-            metadata["edited"] = self._interventions.labelled()
+            metadata.update(self._interventions.metadata())
         return Trace(
             columns,
             modules.calls,  # the tracker is done with it: no copy

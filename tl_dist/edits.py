@@ -361,7 +361,7 @@ class replace(Edit):  # noqa: N801
 
     def __repr__(self) -> str:
         src = self.source
-        return f"tl.replace({'tensor' + str(list(src.shape)) if isinstance(src, Tensor) else src!r})"
+        return f"tl.replace({'tensor' + str(list(src.shape)) if isinstance(src, Tensor) else repr(src)})"
 
 
 class scale(Edit):  # noqa: N801

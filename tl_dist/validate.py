@@ -163,6 +163,9 @@ def validate(
     labels = trace.columns["label"]
     saved = trace.saved
     edited = trace.edited
+    labels_index = trace.labels
+    # An op that ran after an edited op but before its edit took effect read the unedited value.
+    edit_at = {labels_index[lab]: at for lab, at in trace.metadata.get("edits_applied_at", {}).items()}
     with torch.no_grad():
         for index in sorted(trace._replay):
             label = labels[index]
@@ -172,6 +175,10 @@ def validate(
             reason = _skip_reason(info, expected)
             if label in edited:
                 reason = f"output replaced by an edit ({edited[label]})"
+            elif edit_at and (
+                early := [p for p in trace.columns["parents"][index] if edit_at.get(p, 0) > index]
+            ):
+                reason = f"read {labels[early[0]]} before its edit took effect"
             tensors: list[torch.Tensor] = []
             for src, const in zip(srcs, consts):
                 if reason is not None:
