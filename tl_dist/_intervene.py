@@ -261,7 +261,8 @@ class Interventions:
         rec = self.rec
         saved = rec.saved.get(index)
         if saved is not None and pos < len(saved) and saved[pos] is not None:
-            saved[pos] = new if rec.keep_graph else new.detach()
+            with _NoRecording():  # not an op of the model (a detach would shift every later label)
+                saved[pos] = new if rec.keep_graph else new.detach()
             rec.watch(new, (index, 0, pos))
 
 

@@ -102,6 +102,7 @@ class Capture:
             self._interventions.install()
         ACTIVE.append(self)
         self._start_ns = time.time_ns()
+        self._grad_enabled = torch.is_grad_enabled()
         # Saved outputs add many small containers; letting the cyclic GC walk them mid-forward costs more
         # than the whole capture. It is switched back on (if it was on) when the window closes.
         self._gc_was_enabled = gc.isenabled()
@@ -152,6 +153,7 @@ class Capture:
         modules = rec.modules
         columns = rec.columns()
         metadata: dict[str, Any] = {
+            "grad_enabled": self._grad_enabled,  # at the window's start: replay() runs kernels in this mode
             "clock_offset_ns": rec.clock_offset_ns,
             "window_start_ns": self._start_ns,
             "window_end_ns": end_ns if end_ns is not None else time.time_ns(),

@@ -134,9 +134,12 @@ def replay(trace: Trace, interventions: tuple[When, ...] = ()) -> Trace:
             "trace captured with save=None or a selector, or loaded from a shard, cannot be replayed"
         )
     run = _Replay(trace, interventions)
-    with torch.no_grad():
+    # Kernels take other paths with grad on (mkldnn_rnn_layer keeps a workspace): replay in the capture's mode.
+    # No graph is built either way: the constants are detached and the replayed values start from them.
+    with torch.set_grad_enabled(bool(trace.metadata.get("grad_enabled", False))):
         run.all(forward)
-    output = _output(trace, run.values)
+        saved = run.produced()
+    output = _output(trace, saved)
     metadata = dict(trace.metadata)
     labels = cols["label"]
     metadata["edited"] = {labels[i]: "; ".join(e) for i, e in sorted(run.edited.items())}
@@ -145,7 +148,7 @@ def replay(trace: Trace, interventions: tuple[When, ...] = ()) -> Trace:
         dict(cols),
         trace.module_table,
         collective_table=trace.collective_table,
-        saved=run.values,
+        saved=saved,
         replay_records=records,
         output_of=trace.output_of,
         out_trees=trace.out_trees,
@@ -164,9 +167,11 @@ class _Replay:
         self.op_rules = [w for w in interventions if not w.module_site]
         self.module_rules = [w for w in interventions if w.module_site]
         self.values: dict[int, list[Tensor | None]] = {}
-        self.returned: dict[
-            int, int
-        ] = {}  # op -> how many of its outputs it returned (the rest: written bases)
+        self.returned: dict[int, int] = {}  # op -> outputs it returned (the rest: bases it wrote into)
+        # The values the replay computes with are live tensors an in-place op may write into later; the values it
+        # reports are those the ops produced (copy-before-write, as the recorder keeps saved outputs).
+        self._in_storage: dict[int, list[tuple[int, int]]] = {}  # storage -> (op, output) of values in it
+        self._produced: dict[tuple[int, int], Tensor] = {}  # (op, output) -> its value before a later write
         self.changed: set[int] = set()  # ops whose value may differ from the recording
         self.edited: dict[int, list[str]] = {}
         self.not_replayed: dict[str, str] = {}
@@ -199,13 +204,16 @@ class _Replay:
             return
         func, skeleton_args, skeleton_kwargs, srcs, consts = record
         info = op_info(func)
-        if info.nondeterministic or info.kind == "collective":
+        if info.kind == "collective" or (
+            info.nondeterministic and draws_random(func, skeleton_args, skeleton_kwargs)
+        ):
             why = "random op" if info.nondeterministic else "collective (it needs every member rank)"
             self.not_replayed[labels[i]] = f"{why}: its recorded output is reused"
             self.values[i] = [None if t is None else t.clone() for t in self.trace.saved.get(i, ())]
             self.returned[i] = len(self.values[i])
         else:
             self.values[i] = self.run(i, func, info, skeleton_args, skeleton_kwargs, srcs, consts, affected)
+        self.index_storage(i)
         if affected:
             self.changed.add(i)
             got = tuple(tuple(t.shape) for t in self.values[i] if t is not None)
@@ -229,26 +237,35 @@ class _Replay:
         affected: bool,
     ) -> list[Tensor | None]:
         values, parents = self.values, self.cols["parents"][i]
+        originals = _slot_tensors(skeleton_args, skeleton_kwargs)
         tensors: list[Tensor] = []
-        external: set[int] = set()  # ids of the recorded constants (parameters, inputs) among the arguments
-        for src, const in zip(srcs, consts):
+        external: dict[
+            int, Tensor
+        ] = {}  # id of the tensor the model passed -> the recorded constant used for it
+        for k, (src, const) in enumerate(zip(srcs, consts)):
             if src is not None:
                 tensors.append(values[src[0]][src[1]])
                 continue
             alias = self.alias(const, parents) if affected else None
-            if alias is None:
-                external.add(id(const))
-                tensors.append(const)
-            else:
+            if alias is not None:
                 tensors.append(alias)
+                continue
+            # One object per tensor the model passed: kernels take other paths when arguments are the same
+            # tensor (self-attention's query is key is value).
+            if id(originals[k]) not in external:
+                external[id(originals[k])] = const.detach() if const.requires_grad else const
+            tensors.append(external[id(originals[k])])
+        external_ids = {id(t) for t in external.values()}
         args, kwargs = fill_args(skeleton_args, skeleton_kwargs, tensors)
         written = mutated_tensors(info, args, kwargs) if info.mutated else []
-        if any(id(t) in external for t in written):
+        if any(id(t) in external_ids for t in written):
             # Never write into the model's parameters or the trace's constants: into copies.
-            copies = {id(t): t.clone() for t in written if id(t) in external}
+            copies = {id(t): t.clone() for t in written if id(t) in external_ids}
             tensors = [copies.get(id(t), t) for t in tensors]
             args, kwargs = fill_args(skeleton_args, skeleton_kwargs, tensors)
             written = mutated_tensors(info, args, kwargs)
+        if written:
+            self.before_write(written)
         try:
             raw = func(*args, **kwargs)
         except Exception as exc:
@@ -273,26 +290,43 @@ class _Replay:
         return outs
 
     def alias(self, const: Tensor, parents: tuple[int, ...]) -> Tensor | None:
-        """For an argument recorded as a constant although an op of the trace wrote its memory (read through an
-        alias after an in-place write): the same view of that op's replayed output; None for a true constant."""
+        """For an argument recorded as a constant although an in-place op of the trace wrote its memory before (read
+        through an alias after the write: ``v = y.view(-1); y.relu_(); v * 2``): the same view of that op's replayed
+        output. None for a true constant (a parameter, an input)."""
         key = storage_key(const)
         if key is None:
             return None
-        saved = self.trace.saved
-        inplace = self.cols["inplace"]
-        for p in parents:
-            for pos, t in enumerate(saved.get(p, ())):
-                base = self.values[p][pos] if pos < len(self.values.get(p, ())) else None
-                if t is not None and base is not None and storage_key(t) == key:
-                    return base.as_strided(const.shape, const.stride(), const.storage_offset())
-        if any(inplace[p] for p in parents):
-            label = self.cols["label"][parents[0]]
-            self.not_replayed.setdefault(
-                f"{label} (alias)",
-                "an op reads memory written in place through an alias that replay cannot follow: it reuses the "
-                "recorded value",
-            )
+        records, inplace = self.trace._replay, self.cols["inplace"]
+        for p in reversed(parents):
+            if not inplace[p] or p not in records or not self.values.get(p):
+                continue
+            func, args, kwargs = records[p][:3]
+            if any(storage_key(w) == key for w in mutated_tensors(op_info(func), args, kwargs)):
+                return self.values[p][0].as_strided(const.shape, const.stride(), const.storage_offset())
         return None
+
+    def index_storage(self, i: int) -> None:
+        for pos, t in enumerate(self.values[i]):
+            key = storage_key(t) if t is not None else None
+            if key is not None:
+                self._in_storage.setdefault(key, []).append((i, pos))
+
+    def before_write(self, written: list[Tensor], keep: tuple[int, int] | None = None) -> None:
+        """Keep the current value of every earlier output in the memory an in-place write is about to change."""
+        for t in written:
+            key = storage_key(t)
+            for entry in self._in_storage.pop(key, ()):
+                if entry != keep and entry not in self._produced:
+                    self._produced[entry] = self.values[entry[0]][entry[1]].clone()
+            if keep is not None:
+                self._in_storage.setdefault(key, []).append(keep)
+
+    def produced(self) -> dict[int, list[Tensor | None]]:
+        """Each op's outputs as it produced them (the live value, or the copy taken before a later write)."""
+        saved = {i: list(outs) for i, outs in self.values.items()}
+        for (i, pos), value in self._produced.items():
+            saved[i][pos] = value
+        return saved
 
     def op_edits(self, i: int, info: Any) -> None:
         view = RowView(self.row(i))
@@ -304,6 +338,7 @@ class _Replay:
                 value = outs[pos]
                 new = check_result(rule.edit(value, Site(view, pos)), value, Site(view, pos), rule.edit)
                 if info.mutated:
+                    self.before_write([value], keep=(i, pos))
                     value.copy_(new)
                 else:
                     outs[pos] = new
@@ -334,6 +369,28 @@ class _Replay:
     def note(self, i: int, rule: When) -> None:
         self.edited.setdefault(i, []).append(repr(rule.edit))
         self.changed.add(i)
+
+
+def _slot_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors of a recorded call in slot order (as ``Recorder.on_op`` gathered them)."""
+    found: list[Tensor] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif type(a) is list or type(a) is tuple:
+            found += [b for b in a if isinstance(b, Tensor)]
+    return found
+
+
+def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a random op (tagged ``nondeterministic_seeded``) really draws numbers: not with a dropout
+    probability of 0 (attention kernels take ``dropout_p=0.0`` in eval) or ``train=False``."""
+    for k, arg in enumerate(getattr(func, "_schema", None).arguments if hasattr(func, "_schema") else ()):
+        if arg.name in ("dropout_p", "p", "train"):
+            value = args[k] if k < len(args) else kwargs.get(arg.name, getattr(arg, "default_value", None))
+            if value is False or (arg.name != "train" and value == 0):
+                return False
+    return True
 
 
 def _output(trace: Trace, values: dict[int, list]) -> Any:
