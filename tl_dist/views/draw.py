@@ -84,10 +84,9 @@ def plan_lines(plan: GraphPlan, *, prefix: str = "", indent: str = "  ") -> list
         emit(row, indent)
     for a, b in plan.edges:
         style = _edge_style(plan, a, b)
-        if (
-            b,
-            a,
-        ) in plan.edges and a != b:  # data flowing both ways (forward and backward through a collapsed call)
+        # Data flowing both ways (forward and backward through a collapsed call) as one edge; not a rolled loop's
+        # edge into the next iteration, which is drawn on its own.
+        if (b, a) in plan.edges and a != b and not ({(a, b), (b, a)} & plan.dashed):
             if a < b:
                 out.append(f"{indent}{prefix}{a} -> {prefix}{b} [dir=both{style}]")
             continue

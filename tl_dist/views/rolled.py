@@ -108,9 +108,12 @@ def roll(plan: GraphPlan, trace: Trace) -> GraphPlan:
             nodes[first] = replace(node, text=_op_text(trace, plan, names))
         else:
             nodes[first] = replace(node, text=f"{node.text}\n×{len(names)}")
-        clusters = {plan.nodes[n].cluster for n in names}
-        if len(clusters) > 1 and node.cluster >= 0:  # different calls of one module merged into the first
-            titles[node.cluster] = f"{plan.titles[node.cluster]} ×{len(names)}"
+        # The calls holding the first iteration's node that the other iterations' nodes are not in (different
+        # calls of one module, and of the modules around it, merged into the first): they ran once per iteration.
+        chains = [set(_ancestors(plan, plan.nodes[n].cluster)) for n in names[1:]]
+        for row in _ancestors(plan, node.cluster):
+            if not all(row in chain for chain in chains):
+                titles[row] = f"{plan.titles[row]} ×{len(names)}"
     counts: dict[tuple[str, str], int] = {}
     recurrent: set[tuple[str, str]] = set()
     for a, b in plan.edges:
@@ -138,6 +141,14 @@ def roll(plan: GraphPlan, trace: Trace) -> GraphPlan:
         edge_labels={edge: f"×{n}" for edge, n in counts.items() if n > 1},
         dashed=recurrent,
     )
+
+
+def _ancestors(plan: GraphPlan, row: int) -> list[int]:
+    chain = []
+    while row >= 0:
+        chain.append(row)
+        row = plan.cluster_parent.get(row, -1)
+    return chain
 
 
 def _op_text(trace: Trace, plan: GraphPlan, names: list[str]) -> str:

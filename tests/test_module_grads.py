@@ -1,0 +1,101 @@
+"""Gradients per module call (trace.module(...).grad) and per parameter (trace.param_grads), against plain
+PyTorch: a tensor hook on the module's output in a plain run, and the parameters' .grad after a plain backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from zoo import MHA, ResCNN
+
+import tl_dist as tl
+
+
+def _plain_output_grad(
+    model: torch.nn.Module, address: str, x: torch.Tensor, leaf: int | None = None
+) -> list:
+    """The gradient of (model(x) ** 2).sum() w.r.t. the output of module ``address``, caught by a tensor hook."""
+    grads: list = []
+
+    def hook(mod: torch.nn.Module, args: tuple, out: object) -> None:
+        t = out if leaf is None else out[leaf]
+        t.register_hook(grads.append)
+
+    handle = model.get_submodule(address).register_forward_hook(hook)
+    try:
+        out = model(x)
+        (_first(out) ** 2).sum().backward()
+    finally:
+        handle.remove()
+    return grads
+
+
+def _first(out: object) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def test_module_grad_equals_a_hook_on_its_output() -> None:
+    torch.manual_seed(0)
+    model, x = ResCNN().eval(), torch.randn(2, 3, 8, 8)
+    (want,) = _plain_output_grad(copy.deepcopy(model), "blocks.0", x)
+    with tl.capture(save_grads=tl.module("blocks.0")) as cap:
+        (model(x) ** 2).sum().backward()
+    got = cap.trace.module("blocks.0").grad
+    assert torch.equal(got, want)
+    assert cap.trace.module("blocks.1").grad is None  # not selected
+
+
+def test_module_grad_keeps_the_output_structure() -> None:
+    torch.manual_seed(0)
+    model, x = MHA().eval(), torch.randn(2, 5, 8)
+    (want,) = _plain_output_grad(copy.deepcopy(model), "attn", x, leaf=0)
+    trace = tl.trace(model, x, save_grads=True)
+    trace.log_backward((trace.output[0] ** 2).sum())
+    out_grad, weights_grad = trace.module("attn").grad
+    assert torch.equal(out_grad, want)
+    assert weights_grad is None  # the loss does not use the attention weights
+
+
+def test_param_grads_of_a_training_step() -> None:
+    torch.manual_seed(0)
+    model, x = ResCNN().train(), torch.randn(2, 3, 8, 8)
+    reference = copy.deepcopy(model)
+    (reference(x) ** 2).sum().backward()
+    (reference(x) ** 2).sum().backward()  # two micro-batches accumulate
+    want = {name: p.grad for name, p in reference.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.capture(save_grads=True) as cap:
+        (model(x) ** 2).sum().backward()
+        (model(x) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # .grad is gone when the window ends; the trace kept it
+    got = cap.trace.param_grads
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_param_grads_follow_the_selector() -> None:
+    torch.manual_seed(0)
+    model, x = ResCNN().eval(), torch.randn(2, 3, 8, 8)
+    with tl.capture(save_grads=tl.in_module("fc")) as cap:
+        model(x).sum().backward()
+    # fc's ops read fc.weight (its transpose, t) and fc.bias (addmm): those two, nothing else.
+    assert sorted(cap.trace.param_grads) == ["fc.bias", "fc.weight"]
+    assert torch.equal(cap.trace.param_grads["fc.bias"], torch.full((5,), 2.0))  # d(sum of 2x5)/d(bias) = 2
+    with tl.capture() as cap:
+        model(x).sum().backward()
+    assert cap.trace.param_grads == {}  # save_grads not asked
+
+
+@pytest.mark.parametrize("save_grads", [True, tl.func("addmm")])
+def test_param_grads_after_log_backward(save_grads: object) -> None:
+    torch.manual_seed(0)
+    model, x = ResCNN().eval(), torch.randn(2, 3, 8, 8)
+    trace = tl.trace(model, x, save_grads=save_grads)
+    assert trace.param_grads == {}
+    trace.log_backward(trace.output.sum())
+    names = set(trace.param_grads)
+    assert ("fc.bias" in names) and (("stem.weight" in names) == (save_grads is True))
+    assert torch.equal(trace.param_grads["fc.bias"], model.fc.bias.grad)
