@@ -11,7 +11,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # then says how to get Graphviz, and tests that need a program skip with the reason (tests/external.py).
 SYSTEM_TOOLS := dot:graphviz h5dump:hdf5-tools chromium:chromium
 
-.PHONY: demo test lint format bench install system-packages
+.PHONY: demo test lint format bench mutation install system-packages
 
 install: system-packages $(STAMP)
 
@@ -58,3 +58,12 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_trace.py
+
+# Mutation testing (mutmut, config in pyproject.toml) of the modules whose answers users trust, each against its
+# fast tests; one module at a time on one core (CPU-heavy: about an hour in all on 2 cores). Not part of `make
+# test`. Prints killed / total per module (docs/testing.md has the scores and the equivalent survivors).
+MUTATED := validate merge.match merge.clocks selectors _opinfo telemetry
+
+mutation: $(STAMP)
+	@for m in $(MUTATED); do $(VENV)/bin/mutmut run --max-children 1 "tl_dist.$$m.*" || exit 1; done
+	$(PY) tools/mutation_scores.py --target 85

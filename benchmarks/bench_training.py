@@ -1,8 +1,9 @@
 """Training-step capture overhead: forward + backward + SGD step, captured vs plain, in the same process.
 
-Modes, interleaved within each round (plain, window, plain, stats, ...) so that load from other processes on
-the machine hits every mode alike; each captured step is divided by the plain step next to it and the script
-prints the median (and min) of those ratios over the rounds:
+Modes, interleaved within each round (plain, window, plain, stats, plain, grads, plain) so that load from other
+processes on the machine hits every mode alike; the captured modes' order rotates from round to round, so
+none always follows the same one. Each captured step is divided by the faster of the two plain steps
+bracketing it (as bench_trace does), and the script prints the median (and min) of those ratios over rounds:
 
 - ``window``: ``tl.capture()`` -- per-op timing, FLOPs, phases, backward links; nothing saved. Target <= 1.15x.
 - ``stats``: ``tl.capture(stats=True)`` -- plus on-device statistics of every output and gradient. <= 1.3x.
@@ -77,13 +78,17 @@ def bench(name: str, model: torch.nn.Module, x: torch.Tensor, rounds: int) -> di
     ratios: dict[str, list[float]] = {m: [] for m in TARGETS}
     cpu_ratios: dict[str, list[float]] = {m: [] for m in TARGETS}
     plain_times: list[float] = []
-    for _ in range(rounds):
-        for mode in TARGETS:
-            plain, plain_cpu = _timed("plain", *runs["plain"], x)
-            captured, captured_cpu = _timed(mode, *runs[mode], x)
-            plain_times.append(plain)
-            ratios[mode].append(captured / plain)
-            cpu_ratios[mode].append(captured_cpu / plain_cpu)
+    modes = list(TARGETS)
+    for r in range(rounds):
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
+        before = _timed("plain", *runs["plain"], x)
+        for mode in order:
+            captured = _timed(mode, *runs[mode], x)
+            after = _timed("plain", *runs["plain"], x)
+            plain_times.append(after[0])
+            ratios[mode].append(captured[0] / min(before[0], after[0]))
+            cpu_ratios[mode].append(captured[1] / min(before[1], after[1]))
+            before = after
     print(f"{name}: plain step median {statistics.median(plain_times) * 1e3:.1f} ms ({rounds} rounds)")
     for mode, values in ratios.items():
         med = statistics.median(values)

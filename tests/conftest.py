@@ -3,8 +3,15 @@ import os
 import pytest
 import torch
 from external import PACKAGES, have, missing_reason
+from hypothesis import Phase, settings
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# `make mutation` (--hypothesis-profile=mutation): the same examples on every run, so scores are stable, and no
+# shrinking -- a mutant is killed by its first failing example; shrinking it would only cost time.
+settings.register_profile(
+    "mutation", derandomize=True, database=None, phases=[Phase.explicit, Phase.generate]
+)
 
 
 def pytest_addoption(parser):

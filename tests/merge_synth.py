@@ -27,10 +27,12 @@ def coll(
     peer=-1,
     is_async=False,
     out_numel=None,
+    in_numel=None,
     compute_ns=0,
 ):
     """One collective of a rank's script: issued at ``issue`` ns after the previous op ended (``compute_ns``
-    of compute before it), completed at ``complete`` (absolute, rank clock) or right after issue."""
+    of compute before it), completed at ``complete`` (absolute, rank clock) or right after issue. ``in_numel`` /
+    ``out_numel`` override the element counts the kind's rule gives ``numel`` (NUMEL)."""
     return dict(
         func=func,
         numel=numel,
@@ -44,6 +46,7 @@ def coll(
         peer=peer,
         is_async=is_async,
         out_numel=out_numel,
+        in_numel=in_numel,
         compute_ns=compute_ns,
     )
 
@@ -77,6 +80,7 @@ def make_trace(rank, script, *, world_size=2, step=0, t0=1_000_000_000_000, comp
                 seqs[group] = seqs.get(group, 0) + 1
                 i_mul, o_mul = NUMEL.get(func, (1, 1))
                 out_numel = c["out_numel"] if c["out_numel"] is not None else c["numel"] * o_mul
+                in_numel = c["in_numel"] if c["in_numel"] is not None else c["numel"] * i_mul
                 values = dict(
                     op=len(rows),
                     func=func,
@@ -87,10 +91,10 @@ def make_trace(rank, script, *, world_size=2, step=0, t0=1_000_000_000_000, comp
                     reduce_op="sum" if func in ("all_reduce", "reduce_scatter") else "",
                     root=-1,
                     peer=c["peer"],
-                    in_numel=c["numel"] * i_mul,
+                    in_numel=in_numel,
                     out_numel=out_numel,
                     dtype=c["dtype"],
-                    bytes=c["numel"] * i_mul * 4,
+                    bytes=in_numel * 4,
                     is_async=c["is_async"],
                     issue_ns=start,
                     complete_ns=end if c["state"] == "completed" else -1,

@@ -39,7 +39,16 @@ def test_findings_give_exit_one_unless_no_fail(tmp_path):
 def test_export_draw_and_errors(tmp_path, capsys):
     run = _run(tmp_path)
     assert main(["export", str(run), "--perfetto", str(tmp_path / "t.json")]) == 0
-    assert len(json.loads((tmp_path / "t.json").read_text())["traceEvents"]) > 4
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    # per rank: a process name, the two ops (mm, then the all_reduce) as slices on the forward track, and the
+    # collective in flight on its own lane; one flow joins the two ranks' collectives, from rank 0 to rank 1
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    slices = [(e["pid"], e["name"]) for e in events if e["ph"] == "X"]
+    per_rank = ["mm_1", "all_reduce_1", "all_reduce seq 1"]
+    assert slices == [(r, name) for r in (0, 1) for name in per_rank]
+    flows = [(e["ph"], e["pid"], e["name"]) for e in events if e["ph"] in ("s", "t", "f")]
+    assert flows == [("s", 0, "all_reduce seq 1"), ("f", 1, "all_reduce seq 1")]
     if have("dot"):
         assert main(["draw", str(run), "-o", str(tmp_path / "g.svg")]) == 0
         assert (tmp_path / "g.svg").read_text().count("<svg") == 1

@@ -79,8 +79,12 @@ def _fault_body(rank, world_size, out_dir, case):
             dist.all_reduce(a, group=group)
     except _Killed:
         error = "killed"
-    except RuntimeError as exc:  # gloo's timeout / size check
-        error = type(exc).__name__
+    except RuntimeError as exc:
+        # Only gloo's timeout is expected (a peer that never joins, or joined another collective). Anything
+        # else -- an error of tl_dist's inside the window included -- fails the rank, and so the test.
+        if "Timed out waiting" not in str(exc):
+            raise
+        error = "timeout"
     if case == "hang" and rank == 0:
         pid_file = out_dir / "rank1.pid"
         for _ in range(100):
@@ -93,49 +97,65 @@ def _fault_body(rank, world_size, out_dir, case):
 
 
 def _merge_case(tmp_path, case):
+    """Run one fault case; (merged trace, every finding as (kind, seq, ranks, primary), per-rank errors)."""
     results = run_ranks(_fault_body, world_size=2, tmp_path=tmp_path, args=(case,), timeout=60)
     g = tl.merge_ranks(tmp_path / "run")
-    primary = [f for f in g.findings if f.primary and f.group == (0, 1)]
-    return g, primary, results
+    findings = [(f.kind, f.seq, f.ranks, f.primary) for f in g.findings]
+    assert all(f.group == (0, 1) and f.step == 1 for f in g.findings), g.summary()
+    return g, findings, [r["error"] for r in results]
 
 
 def test_size_mismatch_run(tmp_path):
-    g, primary, _ = _merge_case(tmp_path, "size")
-    assert [(f.kind, f.seq) for f in primary] == [("size_mismatch", 2)], g.summary()
-    assert {r: w["label"] for r, w in primary[0].where.items()} == {0: "broadcast_1", 1: "broadcast_1"}
-    assert primary[0].where[1]["source"].endswith(f"test_merge_dist.py:{_line('4 if rank == 0 else 6')}")
+    g, findings, errors = _merge_case(tmp_path, "size")
+    # gloo completes it (the larger receiver gets the 4 elements sent): nobody raised, both shards complete
+    assert errors == ["", ""] and g.incomplete == set()
+    assert findings == [("size_mismatch", 2, (1,), True)], g.summary()
+    where = g.findings[0].where
+    assert {r: w["label"] for r, w in where.items()} == {0: "broadcast_1", 1: "broadcast_1"}
+    assert where[1]["source"].endswith(f"test_merge_dist.py:{_line('4 if rank == 0 else 6')}")
 
 
 def test_dtype_mismatch_run(tmp_path):
-    g, primary, _ = _merge_case(tmp_path, "dtype")
-    assert [(f.kind, f.seq) for f in primary] == [("dtype_mismatch", 2)], g.summary()
+    g, findings, errors = _merge_case(tmp_path, "dtype")
+    assert errors == ["", ""] and g.incomplete == set()
+    assert findings == [("dtype_mismatch", 2, (1,), True)], g.summary()
+    assert {r: w["label"] for r, w in g.findings[0].where.items()} == {0: "broadcast_1", 1: "broadcast_1"}
 
 
 def test_different_collective_run(tmp_path):
-    g, primary, _ = _merge_case(tmp_path, "type")
-    assert [(f.kind, f.seq) for f in primary] == [("type_mismatch", 2)], g.summary()
-    assert primary[0].where[0]["func"] == "all_reduce" and primary[0].where[1]["func"] == "broadcast"
+    g, findings, errors = _merge_case(tmp_path, "type")
+    # an all_reduce met by a broadcast: both ranks time out inside the window, both shards are incomplete
+    assert errors == ["timeout", "timeout"] and g.incomplete == {(1, 0), (1, 1)}
+    assert findings == [("type_mismatch", 2, (1,), True)], g.summary()
+    where = g.findings[0].where
+    assert where[0]["func"] == "all_reduce" and where[1]["func"] == "broadcast"
+    assert where[0]["state"] == where[1]["state"] == "issued"
 
 
 def test_skipped_collective_run(tmp_path):
-    g, primary, _ = _merge_case(tmp_path, "skip")
-    assert [(f.kind, f.seq, f.ranks) for f in primary] == [("missing", 2, (1,))], g.summary()
-    assert primary[0].where[0]["source"].endswith(f":{_line('rank 1 skips this one')}")
-    assert primary[0].where[1]["absent"]
+    g, findings, errors = _merge_case(tmp_path, "skip")
+    # Rank 1's later all_reduces pair with rank 0's earlier ones (gloo only counts), so rank 1 finishes and
+    # rank 0 times out in its last one: the skip is the cause, that hang its consequence.
+    assert errors == ["timeout", ""] and g.incomplete == {(1, 0)}
+    assert findings == [("missing", 2, (1,), True), ("not_completed", 3, (0,), False)], g.summary()
+    missing = g.findings[0].where
+    assert missing[0]["source"].endswith(f":{_line('rank 1 skips this one')}")
+    assert missing[1]["absent"]
 
 
 def test_swapped_order_run(tmp_path):
-    g, primary, _ = _merge_case(tmp_path, "order")
-    assert [f.kind for f in primary] == ["order"], g.summary()
-    assert {w["seq"] for w in primary[0].where.values()} == {2, 3}
+    g, findings, errors = _merge_case(tmp_path, "order")
+    # same sizes: gloo pairs rank 0's reduce_a with rank 1's reduce_b and both complete
+    assert errors == ["", ""] and g.incomplete == set()
+    assert findings == [("order", 2, (1,), True)], g.summary()
+    assert {r: w["seq"] for r, w in g.findings[0].where.items()} == {0: 3, 1: 2}
 
 
 def test_hang_run_not_completed_from_incomplete_shards(tmp_path):
-    g, primary, results = _merge_case(tmp_path, "hang")
-    assert results[1]["error"] == "killed" and results[0]["error"]
-    assert g.incomplete == {(1, 0), (1, 1)}
-    assert [(f.kind, f.seq, f.ranks) for f in primary] == [("not_completed", 2, (1,))], g.summary()
-    where = primary[0].where
+    g, findings, errors = _merge_case(tmp_path, "hang")
+    assert errors == ["timeout", "killed"] and g.incomplete == {(1, 0), (1, 1)}
+    assert findings == [("not_completed", 2, (1,), True)], g.summary()
+    where = g.findings[0].where
     assert where[0]["label"] == "all_reduce_2" and where[0]["source"].endswith(
         f":{_line('rank 1 never joins')}"
     )
@@ -149,7 +169,9 @@ def test_hang_run_not_completed_from_incomplete_shards(tmp_path):
 
 
 def test_deleted_and_corrupt_shards(tmp_path):
-    run_ranks(_fault_body, world_size=2, tmp_path=tmp_path, args=("none",), timeout=60)
+    results = run_ranks(_fault_body, world_size=2, tmp_path=tmp_path, args=("none",), timeout=60)
+    assert [r["error"] for r in results] == ["", ""]
+    assert tl.merge_ranks(tmp_path / "run").findings == []
     shard = tmp_path / "run" / "rank00001" / "step00000001.h5"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 3])  # truncated

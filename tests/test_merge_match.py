@@ -69,6 +69,75 @@ def test_all_gather_output_must_be_input_times_group(tmp_path):
     assert f.kind == "size_mismatch" and f.ranks == (1,) and "x 2" in f.message
 
 
+def _sizes(tmp_path, func, per_rank):
+    """Merge one ``func`` whose (in_numel, out_numel) per rank is ``per_rank``; its findings as tuples."""
+    n = len(per_rank)
+    scripts = [[coll(func, in_numel=i, out_numel=o, source=A, group=tuple(range(n)))] for i, o in per_rank]
+    g = _merge(tmp_path, scripts)
+    return [(f.kind, f.ranks, f.message.split(": ", 1)[1]) for f in g.findings]
+
+
+def test_all_reduce_input_must_equal_output(tmp_path):
+    # Equal on both ranks, so only the in == out rule can see it (broadcast and reduce share it).
+    assert _sizes(tmp_path / "a", "all_reduce", [(4, 8), (4, 8)]) == [
+        ("size_mismatch", (0, 1), "input != output (in, out) on ranks {0: (4, 8), 1: (4, 8)}")
+    ]
+    assert _sizes(tmp_path / "b", "broadcast", [(4, 4), (4, 6), (4, 4)]) == [
+        ("size_mismatch", (1,), "input != output (in, out) on ranks {1: (4, 6)}")
+    ]
+
+
+def test_reduce_scatter_input_must_be_output_times_group(tmp_path):
+    # 3 ranks: rank 2's input (7) is not 3 x its output (2); the vote blames it alone.
+    assert _sizes(tmp_path / "a", "reduce_scatter", [(6, 2), (6, 2), (7, 2)]) == [
+        ("size_mismatch", (2,), "input != output x 3 on ranks {2: 7}")
+    ]
+    # a larger input than output is not enough: 9 is not 2 x 4
+    assert _sizes(tmp_path / "b", "reduce_scatter", [(9, 4), (9, 4)])[0][2] == (
+        "input != output x 2 on ranks {0: 9, 1: 9}"
+    )
+    assert _sizes(tmp_path / "c", "reduce_scatter", [(4, 2), (8, 4)])[0][2] == (
+        "outputs differ across ranks: {0: 2, 1: 4}"
+    )
+    assert _sizes(tmp_path / "d", "reduce_scatter", [(6, 2)] * 3) == []
+
+
+def test_all_to_all_totals_must_agree_splits_may_be_uneven(tmp_path):
+    # all_to_all_single with split sizes: rank 0 sends 3 + 1 and receives 3 + 2, rank 1 sends 2 + 4 ...
+    assert _sizes(tmp_path / "a", "all_to_all", [(4, 5), (6, 5)]) == []
+    assert _sizes(tmp_path / "b", "all_to_all", [(4, 4), (4, 6)]) == [
+        ("size_mismatch", (1,), "total input 8 != total output 10")
+    ]
+
+
+def test_scatter_outputs_equal_and_root_input_is_output_times_group(tmp_path):
+    # The root (rank 0) hands 4 elements to each of 3 ranks; the others pass no input.
+    assert _sizes(tmp_path / "a", "scatter", [(12, 4), (0, 4), (0, 4)]) == []
+    assert _sizes(tmp_path / "b", "scatter", [(12, 4), (0, 4), (0, 6)]) == [
+        ("size_mismatch", (2,), "outputs differ across ranks: {0: 4, 1: 4, 2: 6}")
+    ]
+    assert _sizes(tmp_path / "c", "scatter", [(10, 4), (0, 4), (0, 4)]) == [
+        ("size_mismatch", (0,), "input != output x 3 on ranks {0: 10}")
+    ]
+
+
+def test_gather_inputs_equal_and_root_output_is_input_times_group(tmp_path):
+    assert _sizes(tmp_path / "a", "gather", [(4, 0), (4, 12), (4, 0)]) == []
+    assert _sizes(tmp_path / "b", "gather", [(4, 0), (4, 10), (4, 0)]) == [
+        ("size_mismatch", (1,), "output != input x 3 on ranks {1: 10}")
+    ]
+    assert _sizes(tmp_path / "c", "gather", [(4, 0), (4, 12), (5, 0)])[0][2] == (
+        "inputs differ across ranks: {0: 4, 1: 4, 2: 5}"
+    )
+
+
+def test_broadcast_payloads_must_agree(tmp_path):
+    assert _sizes(tmp_path / "a", "broadcast", [(4, 4), (4, 4), (4, 4)]) == []
+    assert _sizes(tmp_path / "b", "broadcast", [(4, 4), (6, 6), (4, 4)]) == [
+        ("size_mismatch", (1,), "sizes differ across ranks: {0: 4, 1: 6, 2: 4}")
+    ]
+
+
 def test_dtype_mismatch(tmp_path):
     s0 = [coll(source=A), coll(source=B)]
     s1 = [coll(source=A), coll(source=B, dtype="bfloat16")]
@@ -120,6 +189,24 @@ def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
     assert (f.kind, f.seq, f.ranks) == ("not_completed", 2, (1,))
     assert f.where[0]["state"] == "issued" and f.where[1]["absent"]
     assert f.where[1]["last_label"] == "all_reduce_1"
+
+
+def test_member_with_incomplete_shard_that_never_reached_it_is_not_completed(tmp_path):
+    # Rank 0's broadcast completed (a root's send can finish into the socket buffer); rank 1 died before it,
+    # its shard written at the crash (incomplete). The hang signature, although nobody is stuck.
+    s0 = [coll(source=A), coll("broadcast", source=B)]
+    s1 = [coll(source=A)]
+    f = _only(_merge(tmp_path / "a", [s0, s1], complete={1: False}))
+    assert (f.kind, f.seq, f.ranks) == ("not_completed", 2, (1,))
+    assert f.message.endswith(": never reached by rank(s) [1] (incomplete shard)")
+    # With rank 1's shard complete, it finished the window without it: it skipped the broadcast.
+    f = _only(_merge(tmp_path / "b", [s0, s1]))
+    assert (f.kind, f.seq, f.ranks) == ("missing", 2, (1,))
+    # Incomplete, but it went on to a later collective: it skipped this one (missing), it did not die here.
+    s0 = [coll(source=A), coll("broadcast", source=B), coll(source=C)]
+    s1 = [coll(source=A), coll(source=C)]
+    f = _only(_merge(tmp_path / "c", [s0, s1], complete={1: False}))
+    assert (f.kind, f.seq, f.ranks) == ("missing", 2, (1,))
 
 
 def test_hang_with_every_rank_inside_blames_the_stuck(tmp_path):

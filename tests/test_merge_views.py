@@ -80,8 +80,21 @@ def test_draw_joins_ranks(merged, tmp_path):
     assert "cluster_s0r0_rank" in src and "cluster_s0r1_rank" in src
     assert src.count("dir=none") == 4 and src.count("#c62828") == 1  # one red edge: the size mismatch
     if have("dot"):
+        import xml.etree.ElementTree as ET
+
         out = merged.draw(str(tmp_path / "g.svg"))
-        assert open(out).read().lstrip().startswith(("<?xml", "<svg"))
+        root = ET.parse(out).getroot()  # well-formed SVG, as dot laid it out
+        ns = "{http://www.w3.org/2000/svg}"
+        assert root.tag == f"{ns}svg"
+        groups = {g.get("class"): [] for g in root.iter(f"{ns}g")}
+        for g in root.iter(f"{ns}g"):
+            groups[g.get("class")].append(g.findtext(f"{ns}title"))
+        # both ranks' clusters, each with its label
+        assert {"cluster_s0r0_rank", "cluster_s0r1_rank"} <= set(groups["cluster"])
+        texts = {t.text for t in root.iter(f"{ns}text")}
+        assert {"rank 0 step 0", "rank 1 step 0"} <= texts
+        red = [p for p in root.iter(f"{ns}path") if p.get("stroke") == "#c62828"]
+        assert len(red) == 1  # one red edge: the size mismatch
 
 
 def test_save_and_load_merged(merged, tmp_path):

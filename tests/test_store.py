@@ -91,8 +91,10 @@ def test_round_trip_cnn_training_step(tmp_path):
     disk = tl.load(path)
     assert len(disk) == len(mem) > 40
     assert_same_trace(mem, disk)
-    if getattr(mem, "stats_table", None) is not None:
-        assert disk.stats_table == mem.stats_table
+    # stats=True: value statistics of forward outputs and of their gradients, every row back from the shard
+    assert set(mem.stats_table["of"]) == {"out", "grad"}
+    assert {mem.columns["phase"][i] for i in mem.stats_table["op"]} == {"forward"}
+    assert disk.stats_table == mem.stats_table
     assert disk.metadata["complete"] is True
     assert disk.metadata["clock_offset_ns"] == mem.metadata["clock_offset_ns"]
     # Queries work on the loaded trace as on the live one.

@@ -98,3 +98,8 @@ def storage_key(t: torch.Tensor) -> int | None:
         return storage.data_ptr() if storage.nbytes() else None
     except RuntimeError:
         return None
+
+
+# Default tolerances of validate() for floating-point outputs (integer and bool outputs must match exactly).
+VALIDATE_ATOL = 1e-6
+VALIDATE_RTOL = 1e-5

@@ -20,6 +20,10 @@ EXTRA_FLOP_FORMULAS: dict[Any, Any] = {
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__,
 }
 _EXTRA_WRAPPED = {packet: shape_wrapper(f) for packet, f in EXTRA_FLOP_FORMULAS.items()}
+# Registry formulas go through shape_wrapper (they see argument shapes only) unless registered get_raw=True:
+# those read tensor values (varlen attention's cumulative sequence lengths), so their count cannot be
+# memoised on shapes.
+_SHAPE_WRAPPER_CODE = shape_wrapper(lambda: 0).__code__
 
 # Namespaces whose ops are communication, not compute. Collective recognition proper (normalised names,
 # group, sequence number) lives in tl_dist.collectives; this only tags the kind.
@@ -37,6 +41,7 @@ class OpInfo:
         "namespace",
         "kind",
         "flop_fn",
+        "flops_from_shapes",
         "mutated",
         "nondeterministic",
         "counter_key",
@@ -49,6 +54,7 @@ class OpInfo:
         self.namespace = getattr(op, "namespace", "")
         self.func = packet.__name__ if packet is not None else getattr(op, "__name__", self.aten)
         self.flop_fn = flop_registry.get(packet) or _EXTRA_WRAPPED.get(packet)
+        self.flops_from_shapes = getattr(self.flop_fn, "__code__", None) is _SHAPE_WRAPPER_CODE
         schema = getattr(op, "_schema", None)
         # (position, name) of every argument the op writes into: relu_(self), add_(self), copy_(self), out=.
         self.mutated: tuple[tuple[int, str], ...] = ()
@@ -109,8 +115,11 @@ def flop_count(info: OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
 
     torch's shape-based formulas run a pytree map over every argument (and some call other wrapped formulas,
     mapping again): ~20-40 us per matmul. The count depends only on shapes and non-tensor arguments, and models
-    repeat them (every layer of a stack), so one evaluation per distinct call signature suffices.
+    repeat them (every layer of a stack), so one evaluation per distinct call signature suffices. Formulas
+    that read tensor values (varlen attention) are evaluated on every call.
     """
+    if not info.flops_from_shapes:
+        return int(info.flop_fn(*args, **kwargs, out_val=out))
     key: list[Any] = [info.aten]
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from ._common import VALIDATE_ATOL, VALIDATE_RTOL
 from .errors import SchemaError, TlDistError
 from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .selectors import Selector
@@ -522,7 +523,9 @@ class Trace:
 
         return replay(self, self.interventions)
 
-    def validate(self, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5) -> Any:
+    def validate(
+        self, *, raise_on_mismatch: bool = False, atol: float = VALIDATE_ATOL, rtol: float = VALIDATE_RTOL
+    ) -> Any:
         """Re-execute every saved op from its parents' saved outputs and check it reproduces its saved output."""
         from .validate import validate
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._common import fill_skeleton, flat_outputs
+from ._common import VALIDATE_ATOL, VALIDATE_RTOL, fill_skeleton, flat_outputs
 from ._opinfo import mutated_tensors, op_info
 from .errors import TlDistError, ValidationError
 
@@ -98,9 +98,11 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float
     if exp.is_floating_point() or exp.is_complex():
         if torch.allclose(res, exp, atol=atol, rtol=rtol, equal_nan=True):
             return None
-        diff = (res.to(torch.complex128 if exp.is_complex() else torch.float64) - exp).abs()
-        diff = diff[~(torch.isnan(res) & torch.isnan(exp))]
-        return float(diff.max()) if diff.numel() else math.inf, ""
+        # Only the elements that differ: equal infinities would give inf - inf = NaN. A NaN on one side only
+        # is infinitely far from the number on the other (max() of a NaN would report NaN).
+        differs = (res != exp) & ~(torch.isnan(res) & torch.isnan(exp))
+        diff = (res.to(torch.complex128 if exp.is_complex() else torch.float64) - exp).abs()[differs]
+        return float(diff.nan_to_num(nan=math.inf, posinf=math.inf).max()), ""
     if torch.equal(res, exp):
         return None
     return float((res.to(torch.float64) - exp.to(torch.float64)).abs().max()), ""
@@ -128,7 +130,11 @@ def _skip_reason(info: Any, expected: list | None) -> str | None:
 
 
 def validate(
-    trace: Trace, *, raise_on_mismatch: bool = False, atol: float = 1e-6, rtol: float = 1e-5
+    trace: Trace,
+    *,
+    raise_on_mismatch: bool = False,
+    atol: float = VALIDATE_ATOL,
+    rtol: float = VALIDATE_RTOL,
 ) -> ValidationReport:
     """Re-execute every saved op of ``trace`` from its parents' saved outputs and compare with its own.
 

@@ -10,8 +10,9 @@ by position without running the aligner. p2p send/recv pair by (group, src, dst,
 Verdict per joined collective, first that applies:
 
 - when every member issued it at the same position: ``type_mismatch`` (different collectives),
-  ``dtype_mismatch``, ``size_mismatch`` (sizes break the kind's rule -- all_reduce: in == out and equal on
-  all members; all_gather: out == in x group size; reduce_scatter: in == out x group size; ...). A
+  ``dtype_mismatch``, ``size_mismatch`` (sizes break the kind's rule -- all_reduce, broadcast, reduce:
+  in == out and equal on all members; all_gather / gather: equal inputs, out == in x group size; reduce_scatter / scatter: equal
+  outputs, in == out x group size; all_to_all: total in == total out; others: equal payloads). A
   disagreement is the cause even when the collective then failed on some members.
 - ``not_completed``  a member issued it but never saw it complete, or a member whose shard is incomplete
   never reached it (the hang signature).
@@ -137,6 +138,7 @@ class Joined:
     order: bool = False
     verdict: str = "matched"
     detail: str = ""
+    blame: tuple[int, ...] = ()  # the ranks breaking a size rule, when the rule tells (else a vote decides)
 
     @property
     def func(self) -> str:
@@ -243,47 +245,81 @@ def _merge_swaps(slots: list[dict[int, Entry]], present: set[int]) -> list[tuple
 
 
 # -- verdicts -----------------------------------------------------------------------------------------------
-def _size_problem(func: str, entries: list[Entry], group_size: int) -> str:
-    """Why the sizes break ``func``'s rule ('' when they don't)."""
-    ins = {e.rank: e.in_numel for e in entries}
-    outs = {e.rank: e.out_numel for e in entries}
-    pay = {e.rank: e.payload for e in entries}
+# Kinds where one side is a rank's share and the other the whole: (the side equal on every member, the side
+# that must be group size x it where present -- a gather's non-root output and a scatter's non-root input are 0).
+_FAN_SIDES = {
+    "all_gather": ("input", "output"),
+    "gather": ("input", "output"),
+    "reduce_scatter": ("output", "input"),
+    "scatter": ("output", "input"),
+}
+
+# Kinds that reduce or copy one buffer of the same size on every member: in == out on each.
+_IN_PLACE = frozenset({"all_reduce", "broadcast", "reduce"})
+
+
+def _minority(values: dict[int, Any]) -> tuple[int, ...]:
+    """The ranks outside the largest group of equal values (ties: the group with the lowest rank wins)."""
+    votes: dict[Any, list[int]] = {}
+    for r, v in values.items():
+        votes.setdefault(v, []).append(r)
+    if len(votes) < 2:
+        return tuple(sorted(values))
+    groups = sorted(votes.values(), key=lambda rs: (-len(rs), sorted(rs)))
+    return tuple(sorted(r for rs in groups[1:] for r in rs))
+
+
+def _size_problem(func: str, entries: list[Entry], group_size: int) -> tuple[str, tuple[int, ...]]:
+    """Why the sizes break ``func``'s rule ('' when they don't), and the ranks that break it."""
+    sizes = {
+        "input": {e.rank: e.in_numel for e in entries},
+        "output": {e.rank: e.out_numel for e in entries},
+    }
+    ins, outs = sizes["input"], sizes["output"]
     if func == "barrier":
-        return ""
-    if func == "all_gather":
-        if len(set(ins.values())) > 1:
-            return f"inputs differ across ranks: {ins}"
-        bad = {r: o for r, o in outs.items() if o > 0 and o != ins[r] * group_size}
-        return f"output != input x {group_size} on ranks {bad}" if bad else ""
-    if func == "reduce_scatter":
-        if len(set(outs.values())) > 1:
-            return f"outputs differ across ranks: {outs}"
-        bad = {r: i for r, i in ins.items() if i > 0 and i != outs[r] * group_size}
-        return f"input != output x {group_size} on ranks {bad}" if bad else ""
+        return "", ()
+    sides = _FAN_SIDES.get(func)
+    if sides is not None:
+        share_side, whole_side = sides
+        share, whole = sizes[share_side], sizes[whole_side]
+        if len(set(share.values())) > 1:
+            return f"{share_side}s differ across ranks: {share}", _minority(share)
+        bad = {r: w for r, w in whole.items() if w > 0 and w != share[r] * group_size}
+        return (f"{whole_side} != {share_side} x {group_size} on ranks {bad}" if bad else ""), tuple(
+            sorted(bad)
+        )
     if func == "all_to_all":
+        # Splits may be uneven (all_to_all_single with split sizes): only the totals must agree.
         total_in, total_out = sum(ins.values()), sum(outs.values())
-        return "" if total_in == total_out else f"total input {total_in} != total output {total_out}"
-    if func == "scatter":
-        return f"outputs differ across ranks: {outs}" if len(set(outs.values())) > 1 else ""
-    if func == "all_reduce":
+        if total_in == total_out:
+            return "", ()
+        return f"total input {total_in} != total output {total_out}", _minority(
+            {r: (ins[r], outs[r]) for r in ins}
+        )
+    if func in _IN_PLACE:
         bad = {r: (ins[r], outs[r]) for r in ins if outs[r] > 0 and ins[r] > 0 and outs[r] != ins[r]}
         if bad:
-            return f"input != output (in, out) on ranks {bad}"
-    return f"sizes differ across ranks: {pay}" if len(set(pay.values())) > 1 else ""
+            return f"input != output (in, out) on ranks {bad}", tuple(sorted(bad))
+    pay = {e.rank: e.payload for e in entries}
+    return (f"sizes differ across ranks: {pay}", _minority(pay)) if len(set(pay.values())) > 1 else ("", ())
 
 
-def _mismatch(slot: Joined, entries: list, group_size: int) -> tuple[str, str] | None:
-    """Type, dtype or size disagreement among members that all issued the collective; None if they agree."""
+def _mismatch(slot: Joined, entries: list, group_size: int) -> tuple[str, str, tuple[int, ...]] | None:
+    """Type, dtype or size disagreement among members that all issued the collective, with the ranks to blame
+    (``()``: the minority of a vote, see :func:`_culprits`); None if they agree."""
     if not slot.p2p and len({e.func for e in entries}) > 1:
-        return "type_mismatch", "different collectives: " + ", ".join(
-            f"rank {e.rank} {e.func}" for e in entries
-        )
+        detail = "different collectives: " + ", ".join(f"rank {e.rank} {e.func}" for e in entries)
+        return "type_mismatch", detail, ()
     if len({e.dtype for e in entries}) > 1:
-        return "dtype_mismatch", "different dtypes: " + ", ".join(f"rank {e.rank} {e.dtype}" for e in entries)
-    problem = "" if slot.p2p else _size_problem(entries[0].func, entries, group_size)
-    if slot.p2p and len({e.payload for e in entries}) > 1:
-        problem = "send and recv sizes differ: " + ", ".join(f"rank {e.rank} {e.payload}" for e in entries)
-    return ("size_mismatch", problem) if problem else None
+        detail = "different dtypes: " + ", ".join(f"rank {e.rank} {e.dtype}" for e in entries)
+        return "dtype_mismatch", detail, ()
+    if slot.p2p:
+        if len({e.payload for e in entries}) > 1:
+            detail = "send and recv sizes differ: " + ", ".join(f"rank {e.rank} {e.payload}" for e in entries)
+            return "size_mismatch", detail, ()
+        return None
+    problem, blame = _size_problem(entries[0].func, entries, group_size)
+    return ("size_mismatch", problem, blame) if problem else None
 
 
 def _judge(slot: Joined, group_size: int, incomplete: set[int], last_pos: dict[int, int], pos: int) -> None:
@@ -295,7 +331,7 @@ def _judge(slot: Joined, group_size: int, incomplete: set[int], last_pos: dict[i
     # (gloo fails both sides of an all_reduce met by a broadcast).
     mismatch = None if missing or slot.order else _mismatch(slot, entries, group_size)
     if mismatch is not None:
-        slot.verdict, slot.detail = mismatch
+        slot.verdict, slot.detail, slot.blame = mismatch
         if stuck:
             slot.detail += f"; never completed on rank(s) {stuck}"
     elif stuck or (missing and len(never_reached) == len(missing)):
@@ -327,6 +363,8 @@ def _culprits(slot: Joined) -> tuple[int, ...]:
         return tuple(sorted(r for r, e in slot.entries.items() if e.state != "completed"))
     if slot.verdict == "missing":
         return slot.missing
+    if slot.blame:
+        return slot.blame
     attr = {
         "type_mismatch": lambda e: e.func,
         "dtype_mismatch": lambda e: e.dtype,
@@ -335,13 +373,7 @@ def _culprits(slot: Joined) -> tuple[int, ...]:
     }.get(slot.verdict)
     if attr is None:
         return ()
-    votes: dict[Any, list[int]] = {}
-    for r, e in slot.entries.items():
-        votes.setdefault(attr(e), []).append(r)
-    if len(votes) < 2:
-        return tuple(sorted(slot.entries))
-    groups = sorted(votes.values(), key=lambda rs: (-len(rs), rs))
-    return tuple(sorted(r for rs in groups[1:] for r in rs))
+    return _minority({r: attr(e) for r, e in slot.entries.items()})
 
 
 # -- per step -----------------------------------------------------------------------------------------------
