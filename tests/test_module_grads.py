@@ -99,3 +99,39 @@ def test_param_grads_after_log_backward(save_grads: object) -> None:
     names = set(trace.param_grads)
     assert ("fc.bias" in names) and (("stem.weight" in names) == (save_grads is True))
     assert torch.equal(trace.param_grads["fc.bias"], model.fc.bias.grad)
+
+
+def _ddp_param_grads(rank: int, world_size: int, out_dir: str) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    local = copy.deepcopy(model)
+    x = torch.randn(5, 4) + rank  # each rank its own batch
+    ddp = DDP(model)
+    with tl.capture(save_grads=True) as cap:
+        (ddp(x) ** 2).sum().backward()
+    # By hand: this rank's gradient without DDP, averaged over the ranks (DDP divides, then sums).
+    (local(x) ** 2).sum().backward()
+    want = {}
+    for name, p in local.named_parameters():
+        g = p.grad / world_size
+        dist.all_reduce(g)
+        want[name] = g
+    got = {name.removeprefix("module."): g for name, g in cap.trace.param_grads.items()}
+    return {"got": got, "want": want, "local": {n: p.grad for n, p in local.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_param_grads_are_ddps_reduced_gradients(tmp_path) -> None:  # noqa: ANN001 - pytest fixture
+    from dist_helpers import run_ranks
+
+    results = run_ranks(_ddp_param_grads, world_size=2, tmp_path=tmp_path)
+    for rank in (0, 1):
+        got, want, local = results[rank]["got"], results[rank]["want"], results[rank]["local"]
+        assert got.keys() == want.keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+            assert not torch.allclose(got[name], local[name])  # the reduced gradient, not this rank's own
+    assert all(torch.equal(results[0]["got"][n], results[1]["got"][n]) for n in results[0]["got"])
