@@ -57,6 +57,21 @@ def test_module_grad_keeps_the_output_structure() -> None:
     assert weights_grad is None  # the loss does not use the attention weights
 
 
+class Halves(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.chunk(2, dim=1)  # one op (split), two outputs: the module's leaves are its outputs 0 and 1
+
+
+def test_module_grad_of_a_multi_output_op() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), Halves())
+    trace = tl.trace(model, torch.randn(2, 3), save_grads=tl.module("1"))
+    a, b = trace.output
+    trace.log_backward((a * 1.0 + b * 3.0).sum())
+    grad_a, grad_b = trace.module("1").grad
+    # d/da of sum(a + 3 b) = 1, d/db = 3, each of shape 2x2
+    assert torch.equal(grad_a, torch.ones(2, 2)) and torch.equal(grad_b, torch.full((2, 2), 3.0))
+
+
 def test_param_grads_of_a_training_step() -> None:
     torch.manual_seed(0)
     model, x = ResCNN().train(), torch.randn(2, 3, 8, 8)

@@ -194,3 +194,31 @@ def test_fork_sites() -> None:
         trace.fork().do(1.5, tl.zero_ablate())
     with pytest.raises(ValueError, match="matches no op"):
         trace.fork().do(tl.upstream(tl.label("convolution_1")), tl.zero_ablate())
+
+
+class AliasRead(nn.Module):
+    """Reads a view taken before an in-place write into its base: the view sees the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        v = y.view(-1)  # taken before the write
+        y.relu_()
+        return v * 2 + 1
+
+
+def test_replay_follows_a_view_read_after_an_in_place_write() -> None:
+    torch.manual_seed(0)
+    model, x = AliasRead(), torch.randn(2, 4)
+    with torch.no_grad():
+        trace = tl.trace(model, x)
+        fork = trace.fork().do(tl.module("fc"), tl.add(-0.5))  # the write's input changes, so the view's value
+        rerun = fork.rerun(model, x)
+    replayed = fork.replay()
+    with torch.no_grad():  # by hand: relu(fc(x) - 0.5) * 2 + 1, flattened
+        want = (torch.relu(model.fc(x) - 0.5) * 2 + 1).view(-1)
+    assert torch.equal(rerun.output, want) and torch.equal(replayed.output, want)
+    assert replayed.metadata["not_replayed"] == {}
