@@ -215,7 +215,8 @@ def test_replay_follows_a_view_read_after_an_in_place_write() -> None:
     model, x = AliasRead(), torch.randn(2, 4)
     with torch.no_grad():
         trace = tl.trace(model, x)
-        fork = trace.fork().do(tl.module("fc"), tl.add(-0.5))  # the write's input changes, so the view's value
+        # The write's input changes, and so the view's value.
+        fork = trace.fork().do(tl.module("fc"), tl.add(-0.5))
         rerun = fork.rerun(model, x)
     replayed = fork.replay()
     with torch.no_grad():  # by hand: relu(fc(x) - 0.5) * 2 + 1, flattened

@@ -355,6 +355,5 @@ def trace(
     return cap.trace
 
 
-replay_module.RUNNERS.append(
-    trace
-)  # Fork.rerun runs the model through tl.trace; replay never imports capture
+# Fork.rerun runs the model through tl.trace; replay never imports capture.
+replay_module.RUNNERS.append(trace)

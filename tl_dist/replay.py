@@ -239,9 +239,8 @@ class _Replay:
         values, parents = self.values, self.cols["parents"][i]
         originals = _slot_tensors(skeleton_args, skeleton_kwargs)
         tensors: list[Tensor] = []
-        external: dict[
-            int, Tensor
-        ] = {}  # id of the tensor the model passed -> the recorded constant used for it
+        # id of the tensor the model passed -> the recorded constant standing for it
+        external: dict[int, Tensor] = {}
         for k, (src, const) in enumerate(zip(srcs, consts)):
             if src is not None:
                 tensors.append(values[src[0]][src[1]])
@@ -279,9 +278,8 @@ class _Replay:
         if type(raw) is tuple or type(raw) is list:
             outs += [None] * sum(o is None for o in raw)  # outputs a no_grad kernel leaves undefined
         n_recorded = len(self.cols["out_shapes"][i])
-        for t in (
-            written
-        ):  # an in-place write into a view: its base is an extra output (Recorder._with_written_bases)
+        # An in-place write into a view: its base is an extra output (Recorder._with_written_bases).
+        for t in written:
             base = t._base
             if len(outs) >= n_recorded:
                 break
