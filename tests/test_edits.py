@@ -487,6 +487,22 @@ def test_bad_edit_arguments_name_the_argument(make: Callable, message: str) -> N
         make()
 
 
+def test_an_intervention_that_edits_nothing_warns() -> None:
+    run = run_of("rescnn-module")
+    typo = r"intervene=tl.when\(tl.module\('blocks.5'\), tl.zero_ablate\(\)\) edited nothing"
+    with pytest.warns(UserWarning, match=typo), torch.no_grad():
+        trace = tl.trace(run.model, run.x, intervene=tl.when(tl.module("blocks.5"), tl.zero_ablate()))
+    assert trace.edited == {}
+
+
+def test_edited_trace_saves_and_loads(tmp_path) -> None:  # noqa: ANN001 - pytest fixture
+    run = run_of("rescnn-op")
+    trace = run.traced(tl.scale(0.5))
+    loaded = tl.load(trace.save(tmp_path / "edited.h5"))
+    assert loaded.edited == {"relu_1": "tl.scale(0.5)"}
+    assert torch.equal(loaded["relu_1"].out, trace["relu_1"].out)
+
+
 def test_patch_from_a_trace_without_the_op_saved() -> None:
     run = run_of("rescnn-op")
     with torch.no_grad():

@@ -11,7 +11,9 @@ Two places, picked by the selector (:attr:`tl_dist.edits.When.module_site`):
   just above autograd, when the torch function that ran the op returns its output to Python (a
   ``TorchFunctionMode`` installed for the window). An op whose output is consumed inside that call before it
   returns (``addmm`` inside ``F.linear`` on a 3-D input) cannot be edited differentiably: that raises,
-  naming the op and the one the call returned.
+  naming the op and the one the call returned. An in-place op is edited in place at the dispatcher (every
+  alias sees it); above autograd its edit is a new tensor (writing it back would break the op's backward),
+  and a later read of the tensor it wrote raises (:meth:`Interventions.check_stale`).
 - **Module sites** -- :meth:`Interventions.module_output`, called from the module tracker's forward post-hook:
   the edited tensors replace the module's output, as a forward hook returning a new output would.
 
@@ -72,6 +74,8 @@ class Interventions:
         self.module_rules = [w for w in rules if w.module_site]
         self.applied: dict[int, list[str]] = {}  # op index -> the edits applied to its outputs
         self.applied_at: dict[int, int] = {}  # op index -> ops recorded when its edit took effect
+        self._used: set[int] = set()  # id() of the rules that edited something
+        self._rules = rules
         self.deferred: dict[tuple[int, int], list[When]] = {}  # (op, output) -> edits awaiting autograd
         # id -> tensor an in-place op wrote whose edit (under autograd) is a new tensor: it holds the unedited
         # value, so reading it later would silently skip the edit (kept alive, so the id stays its own).
@@ -103,6 +107,10 @@ class Interventions:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def unapplied(self) -> list[When]:
+        """The rules that edited nothing (most likely a misspelt name)."""
+        return [rule for rule in self._rules if id(rule) not in self._used]
 
     def metadata(self) -> dict[str, dict[str, Any]]:
         """For the trace's metadata: ``edited`` (label -> the edits applied to that op) and ``edits_applied_at``
@@ -252,6 +260,7 @@ class Interventions:
     # -- shared ---------------------------------------------------------------------------------------------
     def _run(self, rule: When, value: Tensor, site: Site, index: int) -> Tensor:
         new = check_result(rule.edit(value, site), value, site, rule.edit)
+        self._used.add(id(rule))
         self.applied.setdefault(index, []).append(repr(rule.edit))
         self.applied_at[index] = max(self.rec.n_ops, index + 1)
         return new

@@ -203,6 +203,13 @@ class Capture:
                 UserWarning,
                 stacklevel=3,
             )
+        for rule in self._interventions.unapplied() if self._interventions is not None else ():
+            warnings.warn(
+                f"tl_dist: intervene={rule!r} edited nothing in this window ({len(trace)} ops); check the "
+                "names (trace.to_pandas() lists each op's func, module and label)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def detach_from_training(self) -> None:
         """Before the trace leaves the training thread (a sink writes it later): copy the saved tensors that the
