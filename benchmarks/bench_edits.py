@@ -2,12 +2,12 @@
 
 Workload: ``benchmarks/models.py``'s ResNet-18 layout on 2x3x224x224 (CPU, 2 threads, eval, no_grad).
 
-Modes, interleaved within each round, their order rotating from round to round so that none always follows
-the same one: ``plain`` forward; ``metadata`` -- ``tl.trace(save=None)``; ``module edit`` -- the same with a
+Modes, each measured between two runs of the mode it is compared with (within a round; the pairs' order
+rotates from round to round), its ratio taken to the faster of the two: ``plain`` forward; ``metadata`` -- ``tl.trace(save=None)``; ``module edit`` -- the same with a
 steering vector added to ``layer3``'s output (``intervene=tl.when(tl.module("layer3"), tl.add(v))``);
 ``op edit`` -- the same vector added to one op's output (an op-site edit: every op is matched against it);
 ``replay`` -- ``trace.replay()`` of a ``save=True`` trace taken once. Each measurement is the fastest of 3
-blocks of calibrated repetitions (``bench_trace.best_of``); the ratios are per round, median and min printed:
+blocks of calibrated repetitions (``bench_trace.best_of``); median and min of the per-round ratios printed:
 
 - module edit / metadata: target <= 1.0 (an intervention on one module costs no more than the metadata-only
   trace; the noise of this machine is a few percent either way);
@@ -35,6 +35,8 @@ from models import ResNet18  # noqa: E402
 import tl_dist as tl  # noqa: E402
 
 TARGETS = {"module edit / metadata": 1.0, "replay / plain": 1.5}
+# (mode, the mode it is divided by), each measured between two runs of its base; the order rotates per round.
+PAIRS = [("module edit", "metadata"), ("op edit", "metadata"), ("metadata", "plain"), ("replay", "plain")]
 
 
 def modes(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -74,18 +76,18 @@ def main() -> None:
     model, x = ResNet18().eval(), torch.randn(2, 3, 224, 224)
     fns = modes(model, x)
     reps = {name: calibrate(fn) for name, fn in fns.items()}  # also the warm-up
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    ratios: dict[str, list[float]] = {f"{mode} / {base}": [] for mode, base in PAIRS}
     for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            times[name].append(best_of(fns[name], reps[name]))
-    ratios = {
-        "module edit / metadata": [a / b for a, b in zip(times["module edit"], times["metadata"])],
-        "op edit / metadata": [a / b for a, b in zip(times["op edit"], times["metadata"])],
-        "metadata / plain": [a / b for a, b in zip(times["metadata"], times["plain"])],
-        "replay / plain": [a / b for a, b in zip(times["replay"], times["plain"])],
-    }
+        pairs = PAIRS[r % len(PAIRS) :] + PAIRS[: r % len(PAIRS)]
+        for mode, base in pairs:
+            # The base right before and right after: the faster of the two is the least disturbed.
+            before = best_of(fns[base], reps[base])
+            t = best_of(fns[mode], reps[mode])
+            after = best_of(fns[base], reps[base])
+            times[mode].append(t)
+            times[base] += [before, after]
+            ratios[f"{mode} / {base}"].append(t / min(before, after))
     plain_ms = 1e3 * statistics.median(times["plain"])
     print(f"ResNet-18 2x3x224x224, {args.rounds} rounds; plain forward {plain_ms:.1f} ms")
     print(f"{'ratio':<26}{'median':>8}{'min':>8}{'target':>8}")

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from ._common import FIELD_INDEX, TAG, RowView, flat_outputs
 from .edits import Site, When, check_result
 from .errors import InterventionError
+from .selectors import module
 
 if TYPE_CHECKING:
     from ._recorder import Recorder
@@ -72,6 +73,9 @@ class Interventions:
         self.rec = weakref.proxy(recorder)
         self.op_rules = [w for w in rules if not w.module_site]
         self.module_rules = [w for w in rules if w.module_site]
+        # The common case, tl.when(tl.module(address), ...) only: other modules' calls return at once.
+        plain = all(type(w.selector) is module for w in self.module_rules)
+        self._addresses = {w.selector.address for w in self.module_rules} if plain else None
         self.applied: dict[int, list[str]] = {}  # op index -> the edits applied to its outputs
         self.applied_at: dict[int, int] = {}  # op index -> ops recorded when its edit took effect
         self._used: set[int] = set()  # id() of the rules that edited something
@@ -221,6 +225,8 @@ class Interventions:
     def module_output(self, address: str, leaves: list[Any]) -> bool:
         """Edits the output leaves of a module call returning now (``leaves`` is changed in place); whether any
         leaf was replaced."""
+        if self._addresses is not None and address not in self._addresses:
+            return False
         rec, token = self.rec, self.rec.token
         changed = False
         tensor_k = -1
