@@ -13,6 +13,10 @@ blocks of calibrated repetitions (``bench_trace.best_of``); median and min of th
   trace; the noise of this machine is a few percent either way);
 - replay / plain: target <= 1.5.
 
+``metadata (again) / metadata`` divides the metadata-only trace by itself: how far from 1.0 noise alone moves
+a ratio here. The Python/C function calls of one run of each (``sys.setprofile``) say, without noise, how much
+work an edit adds.
+
 Run: ``.venv/bin/python benchmarks/bench_edits.py [--rounds 9]``.
 """
 
@@ -36,7 +40,13 @@ import tl_dist as tl  # noqa: E402
 
 TARGETS = {"module edit / metadata": 1.0, "replay / plain": 1.5}
 # (mode, the mode it is divided by), each measured between two runs of its base; the order rotates per round.
-PAIRS = [("module edit", "metadata"), ("op edit", "metadata"), ("metadata", "plain"), ("replay", "plain")]
+PAIRS = [
+    ("module edit", "metadata"),
+    ("op edit", "metadata"),
+    ("metadata (again)", "metadata"),  # the same call: the noise floor of these ratios on this machine
+    ("metadata", "plain"),
+    ("replay", "plain"),
+]
 
 
 def modes(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -61,10 +71,27 @@ def modes(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], obj
     return {
         "plain": plain_fn(model, x),
         "metadata": traced(),
+        "metadata (again)": traced(),
         "module edit": traced(intervene=module_edit),
         "op edit": traced(intervene=op_edit),
         "replay": saved.replay,
     }
+
+
+def calls(fn: Callable[[], object]) -> int:
+    """Python and C function calls one run of ``fn`` makes: a deterministic measure of the work it adds."""
+    count = 0
+
+    def profiler(frame: object, event: str, arg: object) -> None:
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(profiler)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
 
 
 def main() -> None:
@@ -90,10 +117,12 @@ def main() -> None:
             ratios[f"{mode} / {base}"].append(t / min(before, after))
     plain_ms = 1e3 * statistics.median(times["plain"])
     print(f"ResNet-18 2x3x224x224, {args.rounds} rounds; plain forward {plain_ms:.1f} ms")
-    print(f"{'ratio':<26}{'median':>8}{'min':>8}{'target':>8}")
+    print(f"{'ratio':<30}{'median':>8}{'min':>8}{'target':>8}")
     for name, values in ratios.items():
         target = f"{TARGETS[name]:.2f}" if name in TARGETS else "-"
-        print(f"{name:<26}{statistics.median(values):>8.3f}{min(values):>8.3f}{target:>8}")
+        print(f"{name:<30}{statistics.median(values):>8.3f}{min(values):>8.3f}{target:>8}")
+    counts = {name: calls(fns[name]) for name in ("metadata", "module edit", "op edit")}
+    print("function calls of one run (deterministic): " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":
