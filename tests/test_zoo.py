@@ -201,10 +201,10 @@ def test_validate_passes(entry, mode):
     report = run.trace.validate()
     assert report, str(report)
     assert report.checked > 0
-    assert report.checked + report.n_skipped == len(run.trace.replay)
+    assert report.checked + report.n_skipped == len(run.trace._replay)
     # Every op with an output was saved (save=True) and so is either replayed or skipped with a reason.
     with_outputs = sum(1 for shapes in run.trace.columns["out_shapes"] if shapes)
-    assert len(run.trace.replay) == with_outputs
+    assert len(run.trace._replay) == with_outputs
 
 
 @pytest.mark.parametrize("entry, mode", CASES)

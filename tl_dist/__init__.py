@@ -9,9 +9,34 @@ Example:
 from . import telemetry
 from .arm import arm, disarm, flush, should_capture, sink_stats
 from .capture import Capture, capture, trace
-from .errors import MergeError, MissingToolError, SchemaError, ShardFormatError, TlDistError, ValidationError
+from .causal import downstream, upstream
+from .compare import compare
+from .edits import (
+    Edit,
+    add,
+    add_noise,
+    clamp,
+    mask,
+    mean_ablate,
+    patch,
+    replace,
+    resample,
+    scale,
+    when,
+    zero_ablate,
+)
+from .errors import (
+    InterventionError,
+    MergeError,
+    MissingToolError,
+    SchemaError,
+    ShardFormatError,
+    TlDistError,
+    ValidationError,
+)
 from .merge import MergedTrace, load_merged, merge_ranks
 from .options import CaptureOptions
+from .replay import Fork
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
 from .sinks import Sink, SinkStats
@@ -22,7 +47,10 @@ __all__ = [
     "Capture",
     "CaptureOptions",
     "Collective",
+    "Edit",
     "Field",
+    "Fork",
+    "InterventionError",
     "MODULE_CALL_FIELDS",
     "MergeError",
     "MergedTrace",
@@ -40,22 +68,36 @@ __all__ = [
     "TlDistError",
     "Trace",
     "ValidationError",
+    "add",
+    "add_noise",
     "arm",
     "capture",
+    "clamp",
+    "compare",
     "disarm",
+    "downstream",
     "flush",
     "func",
     "in_module",
     "label",
     "load",
     "load_merged",
+    "mask",
+    "mean_ablate",
     "merge_ranks",
     "module",
+    "patch",
+    "replace",
+    "resample",
+    "scale",
     "should_capture",
     "sink_stats",
     "telemetry",
     "trace",
+    "upstream",
+    "when",
     "where",
+    "zero_ablate",
 ]
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as nn_module
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._common import TAG, TORCH_DIR
 from .schema import MODULE_CALL_FIELDS, empty_columns
@@ -89,6 +89,7 @@ class ModuleTracker:
         for prefix, root in roots:
             self._add_root(root, prefix)
         self._handles: list[Any] = []
+        self.edits: Any = None  # tl_dist._intervene.Interventions while a window has module-site edits
 
     # -- naming -------------------------------------------------------------------------------------------
     def _add_root(self, root: torch.nn.Module, prefix: str) -> None:
@@ -187,7 +188,7 @@ class ModuleTracker:
         self.stack_of_address[address] = stack
         self._set_current()
 
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         stack = self._stack
         key = id(module)
         if not stack or (stack[-1][0] != key and all(entry[0] != key for entry in stack)):
@@ -209,10 +210,13 @@ class ModuleTracker:
             leaves, spec = [output], _LEAF_SPEC
         else:
             leaves, spec = tree_flatten(output)
-        out_ops, out_pos = self._recorder.module_output(self.calls["address"][row], leaves)
+        address = self.calls["address"][row]
+        edited = self.edits is not None and self.edits.module_output(address, leaves)
+        out_ops, out_pos = self._recorder.module_output(address, leaves)
         self.calls["out_ops"][row] = out_ops
         self.calls["out_pos"][row] = out_pos
         self.out_trees[row] = (spec, [None if i >= 0 else leaf for i, leaf in zip(out_ops, leaves)])
+        return tree_unflatten(leaves, spec) if edited else None
 
     def _note_compiled(self) -> None:
         if self.compiled_seen:

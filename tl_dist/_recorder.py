@@ -159,7 +159,8 @@ class Recorder:
         self.save_selector = None if save is True or save is None else save
         self.keep_graph = keep_graph
         self.saved: dict[int, list[Tensor | None]] = {}
-        self.replay: dict[int, tuple[Any, tuple, dict, list, list]] = {}
+        self.replay_records: dict[int, tuple[Any, tuple, dict, list, list]] = {}
+        self.edits: Any = None  # tl_dist._intervene.Interventions while a window has op-site edits
         self.output_of: dict[int, list[str]] = {}
         self._storage_refs: dict[int, list[tuple[int, int, int]]] = {}
         # storage -> (op, first byte, end byte) of each in-place write into it
@@ -336,6 +337,8 @@ class Recorder:
             tuple(param_names),
         )
         self.rows.append(row)
+        if self.edits is not None:  # interventions (tl_dist._intervene) may replace the outputs
+            out, outs = self.edits.on_op(index, row, info, out, outs, tensors)
         if info.comm is not None:  # collectives: the collective table, and the tensors c10d wrote in place
             outs = self.comm.record(index, info.comm, args, kwargs, out, outs, t0, t1)
         if outs:
@@ -381,7 +384,7 @@ class Recorder:
                 else:
                     consts[k] = t if keep else t.detach()
                 watch(t, (index, 1, k))
-        self.replay[index] = (func, args, kwargs, srcs, consts)
+        self.replay_records[index] = (func, args, kwargs, srcs, consts)
 
     def _before_write(self, written: list[Tensor], tensors: list, srcs: list) -> dict[int, Tensor] | None:
         """Before an in-place op runs: copy saved tensors it would overwrite and, when saving, return the value
@@ -448,7 +451,7 @@ class Recorder:
                     grads = self.training.grads[index]
                     grads[pos] = grads[pos].clone()
                 else:
-                    consts = self.replay[index][4]
+                    consts = self.replay_records[index][4]
                     consts[pos] = consts[pos].clone()
 
     def module_output(self, address: str, leaves: list) -> tuple[tuple[int, ...], tuple[int, ...]]:

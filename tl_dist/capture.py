@@ -17,14 +17,16 @@ from typing import Any
 import torch
 
 from . import _session
+from . import replay as replay_module
 from ._common import storage_key
+from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .errors import TlDistError
 from .options import CaptureOptions, check_options
 from .telemetry import module_name
 from .trace import Trace
 
-_OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph")
+_OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph", "intervene")
 
 
 def resolve_options(
@@ -72,6 +74,7 @@ class Capture:
         self._window: Any = None  # the armed session's window, when armed: it takes the trace on exit
         self._recorder: Recorder | None = None
         self._mode: CaptureMode | None = None
+        self._interventions: Interventions | None = None
 
     def __enter__(self) -> Capture:
         if ACTIVE:
@@ -95,8 +98,12 @@ class Capture:
             recorder.modules.uninstall()
             recorder.phases.uninstall()
             raise
+        if opts.intervene is not None:
+            self._interventions = Interventions(recorder, opts.intervene)
+            self._interventions.install()
         ACTIVE.append(self)
         self._start_ns = time.time_ns()
+        self._grad_enabled = torch.is_grad_enabled()
         # Saved outputs add many small containers; letting the cyclic GC walk them mid-forward costs more
         # than the whole capture. It is switched back on (if it was on) when the window closes.
         self._gc_was_enabled = gc.isenabled()
@@ -107,6 +114,8 @@ class Capture:
         recorder = self._recorder
         end_ns = time.time_ns()
         try:
+            if self._interventions is not None:
+                self._interventions.uninstall()
             self._mode.__exit__(exc_type, exc, tb)
         finally:
             ACTIVE.remove(self)
@@ -145,6 +154,7 @@ class Capture:
         modules = rec.modules
         columns = rec.columns()
         metadata: dict[str, Any] = {
+            "grad_enabled": self._grad_enabled,  # at the window's start: replay() runs kernels in this mode
             "clock_offset_ns": rec.clock_offset_ns,
             "window_start_ns": self._start_ns,
             "window_end_ns": end_ns if end_ns is not None else time.time_ns(),
@@ -152,12 +162,14 @@ class Capture:
         cuda = next((d for d in set(columns["device"]) if d.startswith("cuda")), None)
         if cuda is not None:
             metadata["device_name"] = torch.cuda.get_device_name(torch.device(cuda))
+        if self._interventions is not None:
+            metadata.update(self._interventions.metadata())
         return Trace(
             columns,
             modules.calls,  # the tracker is done with it: no copy
             collective_table=rec.comm.columns(columns),
             saved=rec.saved,
-            replay=rec.replay,
+            replay_records=rec.replay_records,
             output_of={i: tuple(a) for i, a in rec.output_of.items()},
             out_trees=modules.out_trees,
             output=output,
@@ -166,6 +178,8 @@ class Capture:
             grads=rec.training.grads,
             stats_table=rec.training.finish(),
             recorder=rec,
+            param_grads=rec.training.param_grads,
+            interventions=self.options.intervene or (),
         )
 
     def _warn_unmatched(self) -> None:
@@ -187,6 +201,13 @@ class Capture:
             warnings.warn(
                 f"tl_dist: {name}={selector!r} matched no op of this window ({len(trace)} ops); "
                 "check the names (trace.to_pandas() lists each op's func and module)",
+                UserWarning,
+                stacklevel=3,
+            )
+        for rule in self._interventions.unapplied() if self._interventions is not None else ():
+            warnings.warn(
+                f"tl_dist: intervene={rule!r} edited nothing in this window ({len(trace)} ops); check the "
+                "names (trace.to_pandas() lists each op's func, module and label)",
                 UserWarning,
                 stacklevel=3,
             )
@@ -234,6 +255,7 @@ def capture(
     stats: Any = None,
     source: bool | None = None,
     keep_graph: bool | None = None,
+    intervene: Any = None,
 ) -> Capture:
     """A window recording every op of arbitrary code: ``with tl.capture() as cap: ...``; then ``cap.trace``.
 
@@ -253,6 +275,8 @@ def capture(
             ``None`` or a selector (any op, backward and optimizer ops included). See ``trace.stats_table``.
         source: record file:line of the user code issuing each op (default True).
         keep_graph: keep saved outputs attached to autograd so a loss can be built from them (default False).
+        intervene: edits applied as the code runs: ``tl.when(selector, edit)`` or a list of them, in order
+            (``docs/interventions.md``).
 
     Example:
         >>> with tl.capture(save=tl.func("relu")) as cap:
@@ -270,6 +294,7 @@ def capture(
         "stats": stats,
         "source": source,
         "keep_graph": keep_graph,
+        "intervene": intervene,
     }
     opts = resolve_options(options, keywords, session.options if session is not None else CaptureOptions())
     if session is None and step is not None:
@@ -294,6 +319,7 @@ def trace(
     source: bool = True,
     save_grads: Any = None,
     stats: Any = None,
+    intervene: Any = None,
 ) -> Trace:
     """Run ``model`` once on ``inputs`` and record every ATen op it executes.
 
@@ -307,6 +333,8 @@ def trace(
         source: record file:line of the user code issuing each op.
         save_grads: forward ops whose output gradient ``trace.log_backward(loss)`` keeps (``True``/selector).
         stats: ops whose output (and, after ``log_backward``, gradient) statistics are recorded.
+        intervene: edits applied as the model runs: ``tl.when(selector, edit)`` or a list of them, in order;
+            ``tl.when(tl.module("layer1"), tl.zero_ablate())`` (``docs/interventions.md``).
 
     Returns:
         The :class:`Trace`. If the forward raises, the error propagates with the partial trace as
@@ -326,10 +354,21 @@ def trace(
         args = (inputs,)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    opts = CaptureOptions(save=save, save_grads=save_grads, stats=stats, source=source, keep_graph=keep_graph)
+    opts = CaptureOptions(
+        save=save,
+        save_grads=save_grads,
+        stats=stats,
+        source=source,
+        keep_graph=keep_graph,
+        intervene=intervene,
+    )
     cap = Capture(opts, roots=[("", model)])
     cap._keep_node_hooks = True
     with cap:
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output
     return cap.trace
+
+
+# Fork.rerun runs the model through tl.trace; replay never imports capture.
+replay_module.RUNNERS.append(trace)

@@ -25,3 +25,8 @@ class ValidationError(TlDistError):
 
 class MissingToolError(TlDistError):
     """An external program tl_dist calls (Graphviz's ``dot``) is not installed; the message says how to get it."""
+
+
+class InterventionError(TlDistError, ValueError):
+    """An edit (``tl.when``) cannot be applied: it changed the dtype, shape or device of an op's output, a patch
+    source lacks the op, or autograd cannot differentiate it there. The message names the op."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from .causal import check_capture_selector
+from .edits import check_interventions
 from .selectors import check_selection
 
 
@@ -23,6 +25,8 @@ class CaptureOptions:
             ``None`` or a selector (any op, backward and optimizer ops included).
         source: record file:line of the user code that issued each op.
         keep_graph: keep saved outputs attached to autograd, so a loss can be built from them.
+        intervene: edits applied as the model runs: ``tl.when(selector, edit)`` or a list of them, applied in
+            order (see :mod:`tl_dist.edits` and ``docs/interventions.md``).
 
     Example:
         >>> opts = tl.CaptureOptions(stats=True, save=tl.func("softmax"))
@@ -35,10 +39,13 @@ class CaptureOptions:
     stats: Any = None
     source: bool = True
     keep_graph: bool = False
+    intervene: Any = None
 
     def __post_init__(self) -> None:
         for name in ("save", "save_grads", "stats"):
             check_selection(getattr(self, name), name)
+            check_capture_selector(getattr(self, name), name)
+        object.__setattr__(self, "intervene", check_interventions(self.intervene))  # frozen: normalised once
         for name in ("source", "keep_graph"):
             value = getattr(self, name)
             if not isinstance(value, bool):

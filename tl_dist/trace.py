@@ -129,18 +129,32 @@ class ModuleCall:
     @property
     def out(self) -> Any:
         """The call's output, with the structure the module returned; tensors not saved are None."""
+        return self._leaves(self._trace.saved)
+
+    @property
+    def grad(self) -> Any:
+        """Gradient of the loss w.r.t. the call's output, with the structure the module returned (``save_grads``
+        covering the ops producing it); None where not captured.
+
+        Example:
+            >>> with tl.capture(save_grads=tl.module("layer1")) as cap:
+            ...     model(x).sum().backward()
+            >>> cap.trace.module("layer1").grad.shape
+        """
+        return self._leaves(self._trace.grads)
+
+    def _leaves(self, values_of: dict[int, list]) -> Any:
         tree = self._trace.out_trees.get(self.row)
         if tree is None:
             return None
         spec, leaves = tree
-        saved = self._trace.saved
         values = []
         for leaf, op, pos in zip(leaves, self._get("out_ops"), self._get("out_pos")):
             if op < 0:
-                values.append(leaf)
+                values.append(None if values_of is self._trace.grads else leaf)
             else:
-                outs = saved.get(op)
-                values.append(outs[pos] if outs is not None else None)
+                outs = values_of.get(op)
+                values.append(outs[pos] if outs is not None and pos < len(outs) else None)
         return tree_unflatten(values, spec)
 
     def __repr__(self) -> str:
@@ -197,7 +211,7 @@ class Trace:
         *,
         collective_table: dict[str, list] | None = None,
         saved: dict[int, list] | None = None,
-        replay: dict[int, tuple] | None = None,
+        replay_records: dict[int, tuple] | None = None,
         output_of: dict[int, tuple[str, ...]] | None = None,
         out_trees: dict[int, Any] | None = None,
         output: Any = None,
@@ -206,6 +220,8 @@ class Trace:
         grads: dict[int, list] | None = None,
         stats_table: dict[str, list] | None = None,
         recorder: Any = None,
+        param_grads: dict[str, torch.Tensor] | None = None,
+        interventions: tuple = (),
     ) -> None:
         missing = [n for n in field_names(OP_FIELDS) if n not in columns]
         if missing:
@@ -214,7 +230,8 @@ class Trace:
         self.module_table = module_table
         self.collective_table = collective_table or empty_columns(COLLECTIVE_FIELDS)
         self.saved = saved or {}
-        self.replay = replay or {}
+        # op -> (func, argument skeleton, kwargs, parent slots, constants): what validate() and replay() run
+        self._replay = replay_records or {}
         self.output_of = output_of or {}
         self.out_trees = out_trees or {}
         self.output = output
@@ -223,6 +240,9 @@ class Trace:
         self.grads = grads if grads is not None else {}  # op -> gradient per output (tl_dist.training)
         self.stats_table = stats_table if stats_table is not None else empty_columns(STAT_FIELDS)
         self._recorder = recorder  # the live recorder, for log_backward; None for loaded traces
+        # Parameter name -> its gradient at the end of the window's backward (save_grads asks for it).
+        self.param_grads = param_grads if param_grads is not None else {}
+        self.interventions = tuple(interventions)  # the tl.when(...) edits this trace ran with
         self._labels: dict[str, int] | None = None
         self._children: list[tuple[int, ...]] | None = None
 
@@ -266,6 +286,11 @@ class Trace:
     def step(self) -> int | None:
         """Training step (or window number) of the capture window (None when not recorded)."""
         return self.metadata.get("step")
+
+    @property
+    def edited(self) -> dict[str, str]:
+        """Label -> the edits (``intervene=``) that replaced that op's output in this trace."""
+        return self.metadata.get("edited", {})
 
     @property
     def labels(self) -> dict[str, int]:
@@ -380,18 +405,21 @@ class Trace:
         depth: int | str | None = "auto",
         phase: str | Sequence[str] | None = None,
         show_all: bool = False,
+        rolled: bool = False,
     ) -> str:
         """Render the op graph with Graphviz: ops in module clusters, input, parameter and output nodes;
         modules deeper than ``depth`` collapse into one node (``"auto"``: when over ~300 nodes); ``phase``
-        keeps one phase's ops; bookkeeping ops (views, ``detach``, allocations) only with ``show_all``.
+        keeps one phase's ops; bookkeeping ops (views, ``detach``, allocations) only with ``show_all``;
+        ``rolled=True`` draws a loop repeating the same ops once, with iteration counts on its edges.
         Returns the written file's path (see :func:`tl_dist.views.draw.draw`).
 
         Example:
             >>> trace.draw("graph.svg", phase="forward")
+            >>> tl.trace(rnn, x).draw("rnn.svg", rolled=True)
         """
         from .views.draw import draw
 
-        return draw(self, path, format=format, depth=depth, phase=phase, show_all=show_all)
+        return draw(self, path, format=format, depth=depth, phase=phase, show_all=show_all, rolled=rolled)
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
         """Write a Chrome/Perfetto trace JSON: ops as slices on one track per phase inside their module calls'
@@ -468,6 +496,32 @@ class Trace:
             raise ValueError(f"forward_inf must be a bool, got {forward_inf!r}")
         index = first_nonfinite(self, forward_inf=forward_inf)
         return None if index is None else Op(self, index)
+
+    def fork(self) -> Any:
+        """An editable copy of this trace's edits: ``.do(site, edit)`` adds one, ``.replay()`` re-executes the
+        recorded graph with them, ``.rerun(model, x)`` runs the model again with them (see
+        :class:`tl_dist.replay.Fork`).
+
+        Example:
+            >>> edited = trace.fork().do("relu_3", tl.zero_ablate()).replay()
+            >>> tl.compare(trace, edited, first=True).label
+            'relu_3'
+        """
+        from .replay import Fork
+
+        return Fork(self)
+
+    def replay(self) -> Trace:
+        """Re-execute the recorded forward ops from the saved inputs and parameters, without the model's code,
+        applying this trace's own edits: a new trace (``trace.fork().do(...).replay()`` adds edits first).
+        Ops it cannot replay are listed in ``.metadata["not_replayed"]`` (see :func:`tl_dist.replay.replay`).
+
+        Example:
+            >>> assert torch.equal(trace.replay().output, trace.output)
+        """
+        from .replay import replay
+
+        return replay(self, self.interventions)
 
     def validate(
         self, *, raise_on_mismatch: bool = False, atol: float = VALIDATE_ATOL, rtol: float = VALIDATE_RTOL

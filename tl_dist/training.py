@@ -45,6 +45,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KIND = field_names(OP_FIELDS).index("kind")
 _PHASE = field_names(OP_FIELDS).index("phase")
 _FUNC = field_names(OP_FIELDS).index("func")
+_PARAMS = field_names(OP_FIELDS).index("params")
+_engine = torch.autograd.Variable._execution_engine
 # Ops stats=True skips besides views: uninitialised memory (its "statistics" are garbage, NaN included, and
 # would fool first_nonfinite) and copies/aliases whose values are their input's, already counted.
 _NO_STATS = frozenset(
@@ -179,6 +181,9 @@ class TrainingState:
         self.stats_table = empty_columns(STAT_FIELDS)
         self.open = True  # gradient hooks act only while a window (or log_backward) is running
         self._node_handles: list[Any] = []
+        # Parameter name -> its .grad at the end of the window's last backward pass (save_grads asks for it).
+        self.param_grads: dict[str, Tensor] = {}
+        self._param_snapshot_queued = False
 
     # -- window -------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -242,6 +247,10 @@ class TrainingState:
                     self._stat_rows.append((index, "out", index, values))
                 return
 
+    def forget_out_stats(self, index: int) -> None:
+        """Drops op ``index``'s output statistics (an edit replaced the output after they were taken)."""
+        self._stat_rows = [r for r in self._stat_rows if r[0] != index or r[1] != "out"]
+
     def link_pending(self) -> None:
         """Tags the autograd nodes of the previous op's outputs with that op; adds gradient hooks if selected."""
         rec = self.rec
@@ -300,6 +309,9 @@ class TrainingState:
                 return
             if not decided:
                 decided.append(self._selected(index))
+            if not self._param_snapshot_queued and (self.grads_all or self.grads_selector is not None):
+                self._param_snapshot_queued = True
+                _engine.queue_callback(self._after_backward)
             keep, stats = decided[0]
             if not (keep or stats):
                 return
@@ -323,6 +335,33 @@ class TrainingState:
                             self._stat_rows.append((index, "grad", rec.n_ops, values))
 
         return hook
+
+    def _after_backward(self) -> None:
+        # Queued again, so it runs after the callbacks queued during the pass (DDP's, which write the reduced
+        # gradients into .grad): callbacks queued while callbacks run are run too, in order.
+        _engine.queue_callback(self._snapshot_param_grads)
+
+    def _snapshot_param_grads(self) -> None:
+        """Copies the .grad of the parameters ``save_grads`` asks for (all, or those read by selected ops)."""
+        self._param_snapshot_queued = False
+        rec = self.rec
+        wanted: set[str] | None = None
+        if not self.grads_all:
+            wanted = set()
+            for index, row in enumerate(rec.rows):
+                if row[_PHASE] == "forward" and row[_PARAMS]:
+                    view = RowView(row, tuple(rec.output_of.get(index, ())))
+                    if self.grads_selector.match(view):
+                        wanted.update(row[_PARAMS])
+        names = rec.modules.params
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            for mod in rec.modules.live_modules():
+                for p in mod._parameters.values():
+                    if p is None or p.grad is None:
+                        continue
+                    name = names.get(id(p))
+                    if name is not None and (wanted is None or name in wanted):
+                        self.param_grads[name] = p.grad.detach().clone()
 
 
 # -- trace-side API (the Trace methods call these; this module never imports trace or capture) ---------

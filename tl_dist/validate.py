@@ -108,7 +108,7 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float
     return float((res.to(torch.float64) - exp.to(torch.float64)).abs().max()), ""
 
 
-def _fill(skeleton_args: tuple, skeleton_kwargs: dict, tensors: list) -> tuple[tuple, dict]:
+def fill_args(skeleton_args: tuple, skeleton_kwargs: dict, tensors: list) -> tuple[tuple, dict]:
     # One cursor across args then kwargs: the recorder numbered tensor slots in that order.
     cursor = [0]
     args = tuple([fill_skeleton(a, tensors, cursor) for a in skeleton_args])
@@ -160,7 +160,7 @@ def validate(
         raise ValueError(f"atol must be a non-negative number, got {atol!r}")
     if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or rtol < 0:
         raise ValueError(f"rtol must be a non-negative number, got {rtol!r}")
-    if len(trace) and not trace.replay:
+    if len(trace) and not trace._replay:
         raise TlDistError(
             "validate() has nothing to replay: the trace holds no replay information (it was captured with "
             "save=None, or loaded from a shard). Trace again in this process with save=True or a selector."
@@ -168,13 +168,23 @@ def validate(
     report = ValidationReport()
     labels = trace.columns["label"]
     saved = trace.saved
+    edited = trace.edited
+    labels_index = trace.labels
+    # An op that ran after an edited op but before its edit took effect read the unedited value.
+    edit_at = {labels_index[lab]: at for lab, at in trace.metadata.get("edits_applied_at", {}).items()}
     with torch.no_grad():
-        for index in sorted(trace.replay):
+        for index in sorted(trace._replay):
             label = labels[index]
-            func, skeleton_args, skeleton_kwargs, srcs, consts = trace.replay[index]
+            func, skeleton_args, skeleton_kwargs, srcs, consts = trace._replay[index]
             info = op_info(func)
             expected = saved.get(index)
             reason = _skip_reason(info, expected)
+            if label in edited:
+                reason = f"output replaced by an edit ({edited[label]})"
+            elif edit_at and (
+                early := [p for p in trace.columns["parents"][index] if edit_at.get(p, 0) > index]
+            ):
+                reason = f"read {labels[early[0]]} before its edit took effect"
             tensors: list[torch.Tensor] = []
             for src, const in zip(srcs, consts):
                 if reason is not None:
@@ -191,14 +201,14 @@ def validate(
             if reason is not None:
                 report.skipped[label] = reason
                 continue
-            args, kwargs = _fill(skeleton_args, skeleton_kwargs, tensors)
+            args, kwargs = fill_args(skeleton_args, skeleton_kwargs, tensors)
             written = mutated_tensors(info, args, kwargs)
             if written:
                 # Write into copies: the originals are saved outputs or the model's own parameters. One copy
                 # per distinct tensor, so an op reading and writing the same tensor still sees one tensor.
                 copies = {id(t): t.clone() for t in written}
                 tensors = [copies.get(id(t), t) for t in tensors]
-                args, kwargs = _fill(skeleton_args, skeleton_kwargs, tensors)
+                args, kwargs = fill_args(skeleton_args, skeleton_kwargs, tensors)
             try:
                 raw = func(*args, **kwargs)
             except Exception as exc:  # a replay that cannot run is a finding, not a crash of validate()

@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import graphviz
 
 from ..errors import MissingToolError, TlDistError
 from .graph import GraphPlan, Node, check_plan_options, plan_all
+from .rolled import roll
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -82,12 +83,25 @@ def plan_lines(plan: GraphPlan, *, prefix: str = "", indent: str = "  ") -> list
     for row in children.get(-1, ()):
         emit(row, indent)
     for a, b in plan.edges:
-        if (b, a) in plan.edges:  # data flowing both ways (forward and backward through a collapsed call)
+        style = _edge_style(plan, a, b)
+        # Data flowing both ways (forward and backward through a collapsed call) as one edge; not a rolled loop's
+        # edge into the next iteration, which is drawn on its own.
+        if (b, a) in plan.edges and a != b and not ({(a, b), (b, a)} & plan.dashed):
             if a < b:
-                out.append(f"{indent}{prefix}{a} -> {prefix}{b} [dir=both]")
+                out.append(f"{indent}{prefix}{a} -> {prefix}{b} [dir=both{style}]")
             continue
-        out.append(f"{indent}{prefix}{a} -> {prefix}{b}")
+        out.append(f"{indent}{prefix}{a} -> {prefix}{b}" + (f" [{style.lstrip()}]" if style else ""))
     return out
+
+
+def _edge_style(plan: GraphPlan, a: str, b: str) -> str:
+    """Attributes of a rolled loop's edges: how many edges it stands for, dashed when it feeds the next iteration."""
+    style = ""
+    if (a, b) in plan.edge_labels:
+        style += f" label={quote(plan.edge_labels[(a, b)])} fontsize=9"
+    if (a, b) in plan.dashed:
+        style += " style=dashed constraint=false"
+    return style
 
 
 def graph_source(
@@ -96,10 +110,10 @@ def graph_source(
     depth: int | str | None = "auto",
     phase: str | Sequence[str] | None = None,
     show_all: bool = False,
+    rolled: bool = False,
 ) -> str:
     """The DOT source :func:`draw` lays out (see there for the options)."""
-    phases = check_plan_options(depth, phase, show_all)
-    (plan,), note = plan_all([trace], depth=depth, phases=phases, show_all=show_all)
+    plan, note = _plan(trace, depth, phase, show_all, rolled)
     return dot_document("trace", plan_lines(plan), note, newrank=True, phases=plan.phases_drawn)
 
 
@@ -123,6 +137,7 @@ def draw(
     depth: int | str | None = "auto",
     phase: str | Sequence[str] | None = None,
     show_all: bool = False,
+    rolled: bool = False,
 ) -> str:
     """Lay out ``trace``'s op graph with Graphviz and write it to exactly ``path``.
 
@@ -142,6 +157,9 @@ def draw(
         phase: only ops of this phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or a list of them.
         show_all: also draw bookkeeping ops (views, ``detach``, allocations, profiler markers), which are
             otherwise left out with the edges through them kept.
+        rolled: draw each loop that repeats the same ops in the same modules (an RNN cell, a Python loop over
+            one block) once, its edges labelled with iteration counts (``×4``) and the edges into the next
+            iteration dashed (see :mod:`tl_dist.views.rolled`). Default False: every iteration.
 
     Returns:
         ``path`` as a string.
@@ -157,12 +175,19 @@ def draw(
         'out/graph.svg'
     """
     check_format(format)
-    phases = check_plan_options(depth, phase, show_all)
-    (plan,), note = plan_all([trace], depth=depth, phases=phases, show_all=show_all)
+    plan, note = _plan(trace, depth, phase, show_all, rolled)
     if note:
         warnings.warn(f"trace.draw: {note}", DrawNote, stacklevel=3)
     source = dot_document("trace", plan_lines(plan), note, newrank=True, phases=plan.phases_drawn)
     return render(source, path, format=format)
+
+
+def _plan(trace: Trace, depth: Any, phase: Any, show_all: Any, rolled: Any) -> tuple[GraphPlan, str]:
+    phases = check_plan_options(depth, phase, show_all)
+    if not isinstance(rolled, bool):
+        raise ValueError(f"rolled must be a bool, got {rolled!r}")
+    (plan,), note = plan_all([trace], depth=depth, phases=phases, show_all=show_all)
+    return (roll(plan, trace) if rolled else plan), note
 
 
 class DrawNote(UserWarning):

@@ -67,6 +67,8 @@ class GraphPlan:
     depth: int | None
     ops_drawn: int = 0  # ops of the phases drawn, bookkeeping included
     titles: dict[int, str] = field(default_factory=dict)  # call row -> cluster / node title
+    edge_labels: dict[tuple[str, str], str] = field(default_factory=dict)  # rolled loops: "×4"
+    dashed: set[tuple[str, str]] = field(default_factory=set)  # rolled loops: from one iteration to the next
 
     @property
     def phases_drawn(self) -> set[str]:
