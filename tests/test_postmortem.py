@@ -161,9 +161,10 @@ def test_sigterm_chains_to_previous_python_handler(tmp_path):
     assert (tmp_path / "own-handler-ran").read_text() == str(int(signal.SIGTERM))
     trace = tl.load(tmp_path / "run" / "rank00000" / "step00000003.h5")
     # tl_dist's handler wrote the SIGTERM post-mortem, then ran the user's, whose sys.exit unwound the window:
-    # SystemExit is an exception inside it, and that window's own close wrote the shard last.
+    # that window's own close wrote the shard last, with the exception as its error and the signal (what ended
+    # the process) as its end reason.
     assert trace.metadata["complete"] is False
-    assert trace.metadata["end_reason"] == "exception" and trace.metadata["error"] == "SystemExit: 3"
+    assert trace.metadata["end_reason"] == "SIGTERM" and trace.metadata["error"] == "SystemExit: 3"
 
 
 @pytest.mark.slow
