@@ -5,11 +5,15 @@ Shards made by ``merge_synth.make_trace`` name a host (and its boot id); ranks g
 
 import random
 
+import numpy as np
 import pandas as pd
 import pytest
 from merge_synth import coll, make_trace, write_run
 
 from tl_dist.merge import merge_ranks
+from tl_dist.merge.clocks import clock_key, dependency, estimate_clocks
+from tl_dist.merge.match import Entry, Joined
+from tl_dist.merge.members import Members
 
 A, B, C = "train.py:10", "train.py:11", "train.py:12"
 T = 10**12
@@ -330,3 +334,256 @@ def test_docs_worked_example(tmp_path):
     waits = [t["waits"] for t in g.timings]
     assert waits == [{0: 295 * us, 1: 0}, {0: 0, 1: 205 * us}, {0: 95 * us, 1: 0}]
     assert list(g.collectives.last_rank) == [1, 0, 1]
+
+
+# -- which clock a shard is on --------------------------------------------------------------------------------
+def test_clock_key_is_host_and_boot_else_the_rank_alone():
+    # docstring: (host, boot id) when the shard records a boot id, else a clock of its own.
+    assert clock_key(3, {"host": "node0", "boot_id": "b1"}) == ("host", "node0", "b1")
+    assert clock_key(3, {"host": "node9", "boot_id": "b1"}) == ("host", "node9", "b1")  # the host name counts
+    assert clock_key(3, {"boot_id": "b1"}) == ("host", "", "b1")  # no host name: "" (a boot id alone)
+    assert clock_key(3, {"host": None, "boot_id": "b1"}) == ("host", "", "b1")
+    # No boot id (not Linux, an older writer): its own clock, whatever the host.
+    assert clock_key(3, {"host": "node0"}) == ("rank", 3)
+    assert clock_key(4, {"host": "node0", "boot_id": ""}) == ("rank", 4)
+    assert clock_key(5, {"host": "node0", "boot_id": None}) == ("rank", 5)
+    assert clock_key(6, {}) == ("rank", 6)
+
+
+def _two_together(tmp_path, metas):
+    """Two ranks issuing two all_reduces together, both seen done 50 us later; ``metas``: per rank, metadata
+    to set (None values are removed from the shard's)."""
+    s0 = [
+        coll(source=A, issue=T, complete=T + 50_000),
+        coll(source=B, issue=T + 10**7, complete=T + 10**7 + 50_000),
+    ]
+    traces = []
+    for r, meta in enumerate(metas):
+        trace = make_trace(r, s0, host="node0")
+        for k, v in meta.items():
+            if v is None:
+                del trace.metadata[k]
+            else:
+                trace.metadata[k] = v
+        traces.append(trace)
+    write_run(tmp_path, traces)
+    return merge_ranks(tmp_path)
+
+
+def test_shards_without_a_boot_id_are_clocks_of_their_own(tmp_path):
+    # Both shards name host node0 but neither records a boot id (an older writer): nothing says they read one
+    # clock, so rank 1 is estimated against rank 0: both in together, both done 50 us later -> 0 +- 50 us.
+    g = _two_together(tmp_path / "a", [{"boot_id": None}, {"boot_id": None}])
+    assert list(g.clocks.method) == ["same-host", "estimated"]
+    assert list(g.clocks.uncertainty_ns) == [0, 50_000] and list(g.clocks.reference) == [0, 0]
+    # One boot id named by two hosts (containers with their own names): the pair differs, so two clocks.
+    g = _two_together(tmp_path / "b", [{"boot_id": "b1", "host": "c0"}, {"boot_id": "b1", "host": "c1"}])
+    assert list(g.clocks.method) == ["same-host", "estimated"]
+    # The same host and boot: one clock, offset 0 by construction.
+    g = _two_together(tmp_path / "c", [{"boot_id": "b1", "host": "c0"}, {"boot_id": "b1", "host": "c0"}])
+    assert list(g.clocks.method) == ["same-host", "same-host"] and list(g.clocks.uncertainty_ns) == [0, 0]
+
+
+# -- the module's functions on hand-built joined collectives ---------------------------------------------------
+def _entry(rank, func="all_reduce", issue=0, complete=10, *, root=-1, peer=-1, state="completed"):
+    return Entry(
+        rank, 0, 0, func, (0, 1), "0", 1, peer, root, 4, 4, "float32", 16, False, issue, complete, state,
+        f"{func}_1", "", A, False, (0, 0, 0),
+    )  # fmt: skip
+
+
+def _joined(*entries, verdict="matched", p2p=False):
+    ranks = tuple(e.rank for e in entries)
+    return Joined(0, ranks, "0", {e.rank: e for e in entries}, ranks, (), p2p=p2p, verdict=verdict)
+
+
+def _all(r0, r1, *, a=0, b=1):
+    """An all_reduce of ranks a and b: (issue, complete) of each."""
+    return _joined(_entry(a, issue=r0[0], complete=r0[1]), _entry(b, issue=r1[0], complete=r1[1]))
+
+
+def test_dependency_of_each_kind_of_collective():
+    for func in ("all_reduce", "all_gather", "reduce_scatter", "barrier"):
+        assert dependency(_joined(_entry(0, func), _entry(1, func))) == ("all", -1, -1)
+    for func in ("broadcast", "scatter"):  # the others depend on the root
+        assert dependency(_joined(_entry(0, func, root=1), _entry(1, func, root=1))) == ("from", 1, -1)
+    for func in ("reduce", "gather"):  # the root depends on the others
+        assert dependency(_joined(_entry(0, func, root=0), _entry(1, func, root=0))) == ("to", 0, -1)
+    for send, recv in (("send", "recv"), ("isend", "irecv")):  # the receiver on the sender
+        j = _joined(_entry(1, send, peer=0), _entry(0, recv, peer=1), p2p=True)
+        assert dependency(j) == ("p2p", 1, 0)
+    # Bounds nothing: not matched, one member, all_to_all, roots disagreeing or not a member, p2p not 1 to 1.
+    assert dependency(_joined(_entry(0), _entry(1), verdict="size_mismatch")) is None
+    assert dependency(_joined(_entry(0), _entry(1), verdict="order")) is None
+    assert dependency(_joined(_entry(0))) is None
+    assert dependency(_joined(_entry(0, "all_to_all"), _entry(1, "all_to_all"))) is None
+    assert dependency(_joined(_entry(0, "broadcast", root=0), _entry(1, "broadcast", root=1))) is None
+    assert dependency(_joined(_entry(0, "broadcast", root=5), _entry(1, "broadcast", root=5))) is None
+    assert dependency(_joined(_entry(0, "send", peer=1), _entry(1, "send", peer=0), p2p=True)) is None
+    three = _joined(_entry(0, "send", peer=1), _entry(1, "recv", peer=0), _entry(2, "recv", peer=0), p2p=True)
+    assert dependency(three) is None
+
+
+def test_estimate_clocks_and_rank_arrays_by_hand():
+    # Ranks 0, 2, 3 on clocks of their own (no rank 1). Times in ns on each rank's clock:
+    #   all_reduce (0, 2): rank 0 in at 0, done 10; rank 2 in at 1e17 + 1, done 1e17 + 11
+    #     o2 - o0 <= 1e17 + 11 - 0,  o2 - o0 >= 1e17 + 1 - 10: midpoint 1e17 + 1, half-width ceil(20 / 2) = 10
+    #   broadcast from 0 to 3: rank 3 done at 20 -> o3 - o0 <= 20 - 0, and no lower bound: no estimate.
+    big = 10**17
+    joined = [
+        _all((0, 10), (big + 1, big + 11), b=2),
+        _joined(_entry(0, "broadcast", 0, 5, root=0), _entry(3, "broadcast", 7, 20, root=0)),
+    ]
+    clock_of = {0: ("rank", 0), 2: ("rank", 2), 3: ("rank", 3)}
+    sol = estimate_clocks(joined, clock_of)
+    assert sol.offsets == {0: 0, 2: big + 1, 3: 0}
+    assert sol.uncertainty == {0: 0, 2: 10, 3: None}
+    assert sol.method == {0: "same-host", 2: "estimated", 3: "none"}
+    assert sol.reference == {0: 0, 2: 0, 3: 0} and sol.collectives == {0: 2, 2: 1, 3: 1}
+    assert sol.violation_ns == 0
+    assert estimate_clocks(joined, clock_of, Members.of(joined)) == sol  # members given or built: the same
+    # Per rank index < size; rank 1 (no shard) and rank 4 (beyond): clock -1, offset 0, uncertainty -1, ref -1.
+    # Clocks are numbered by their lowest rank: 0, 1, 2 for ranks 0, 2, 3. Offsets are exact int64.
+    clock, offset, unc, ref = sol.rank_arrays(5)
+    assert [a.dtype for a in (clock, offset, unc, ref)] == [np.int64] * 4
+    assert clock.tolist() == [0, -1, 1, 2, -1]
+    assert offset.tolist() == [0, 0, big + 1, 0, 0]
+    assert unc.tolist() == [0, -1, 10, -1, -1]  # -1: not estimated (rank 3) or no rank
+    assert ref.tolist() == [0, -1, 0, 0, -1]
+    small = sol.rank_arrays(3)  # ranks >= size are left out
+    assert [a.tolist() for a in small] == [[0, -1, 1], [0, 0, big + 1], [0, -1, 10], [0, -1, 0]]
+    empty = estimate_clocks([], {})
+    assert (empty.offsets, empty.method, empty.collectives, empty.violation_ns) == ({}, {}, {}, 0)
+    assert [a.tolist() for a in empty.rank_arrays(0)] == [[], [], [], []]
+
+
+def test_unknown_times_bound_nothing():
+    # Ranks 0 and 1 on clocks of their own. A: both in at 0, done at 10: o1 - o0 in [-10, 10].
+    a = _all((0, 10), (0, 10))
+    clock_of = {0: ("rank", 0), 1: ("rank", 1)}
+    # B: rank 1's issue time is unknown (-1): only rank 0's issue bounds, o1 - o0 <= 5 - 0. Interval [-10, 5]:
+    # midpoint floor(-5 / 2) = -3, half-width ceil(15 / 2) = 8.
+    sol = estimate_clocks([a, _all((0, 3), (-1, 5))], clock_of)
+    assert (sol.offsets[1], sol.uncertainty[1], sol.method[1]) == (-3, 8, "estimated")
+    # C: rank 1 was seen completed without a completion time (-1): only rank 0's completion bounds,
+    # o0 - o1 <= 20 - 15, so o1 - o0 >= -5. Interval [-5, 10]: midpoint 2, half-width 8.
+    sol = estimate_clocks([a, _all((0, 20), (15, -1))], clock_of)
+    assert (sol.offsets[1], sol.uncertainty[1], sol.violation_ns) == (2, 8, 0)
+    # A collective with no known completion, or no known issue, links nothing: rank 1 stays its own reference.
+    for times in (((0, -1), (0, -1)), ((-1, 10), (-1, 10))):
+        sol = estimate_clocks([_all(*times)], clock_of)
+        assert sol.reference == {0: 0, 1: 1} and sol.collectives == {0: 0, 1: 0}
+        assert sol.offsets == {0: 0, 1: 0} and sol.uncertainty == {0: 0, 1: 0}
+
+
+def _stepped(v):
+    """Two clocks whose bounds contradict by 2 v: A (all in at 0, done at 10) says o1 - o0 in [-10, 10]; B
+    (rank 0 in and done at 100, rank 1 in and done at 110 + 2 v) says o1 - o0 = 10 + 2 v."""
+    joined = [_all((0, 10), (0, 10)), _all((100, 100), (110 + 2 * v, 110 + 2 * v))]
+    return estimate_clocks(joined, {0: ("rank", 0), 1: ("rank", 1)})
+
+
+def test_contradictions_are_widened_by_the_least_whole_ns():
+    # Upper bound 10, lower 10 + 2 v: widening both by v makes them meet at 10 + v; that v is the violation and
+    # the whole uncertainty.
+    # 1_000 and 4_000 are widenings the doubling search itself tries (1 us x 2**k): found at once, none less works.
+    for v in (1, 2, 1_000, 1_500, 4_000, 10**9 + 7):
+        sol = _stepped(v)
+        got = (sol.violation_ns, sol.offsets[1], sol.uncertainty[1], sol.method[1])
+        assert got == (v, 10 + v, v, "estimated"), v
+        assert [type(x) for x in got[:3]] == [int, int, int]  # whole ns
+
+
+def test_a_contradiction_is_found_and_reported_whichever_way_it_is_reached():
+    # Rank 1 broadcasts to rank 0 (o1 - o0 >= 0 - 50: a lower bound only); ranks 1 and 2 contradict each other
+    # by 2 x 10 ns (as in _stepped). From rank 0 nothing is reachable forwards, the contradiction only backwards:
+    # still widened by 10 and reported, and ranks 1 and 2 stay one-sided against rank 0: no estimate.
+    v = 10
+    joined = [
+        _joined(_entry(0, "broadcast", 0, 50, root=1), _entry(1, "broadcast", 0, 5, root=1)),
+        _all((0, 10), (0, 10), a=1, b=2),
+        _all((100, 100), (110 + 2 * v, 110 + 2 * v), a=1, b=2),
+    ]
+    sol = estimate_clocks(joined, {r: ("rank", r) for r in range(3)})
+    assert sol.violation_ns == v and sol.reference == {0: 0, 1: 0, 2: 0}
+    assert sol.method == {0: "same-host", 1: "none", 2: "none"}
+    assert sol.uncertainty == {0: 0, 1: None, 2: None}
+
+
+def test_a_contradiction_beyond_the_widening_limit_leaves_the_clock_unestimated():
+    # Widening is tried up to 2**50 ns (~13 days; doubling from 1 us: the last try is 1e3 * 2**40 ns). A clock
+    # stepped by 3e15 ns (~35 days) needs 1.5e15: beyond it, so rank 1 gets no estimate.
+    sol = _stepped(1_500_000_000_000_000)
+    assert sol.offsets == {0: 0, 1: 0} and sol.uncertainty == {0: 0, 1: None}
+    assert sol.method == {0: "same-host", 1: "none"}
+    # Still reported: contradicted by more than the last widening tried, and nothing estimated.
+    assert sol.unresolved and sol.violation_ns == 1_000 * 2**40
+    assert not _stepped(10**9 + 7).unresolved
+
+
+# -- through the merge -----------------------------------------------------------------------------------------
+def test_a_clock_bounded_on_one_side_gets_no_estimate(tmp_path):
+    # Three hosts. Rank 0 broadcasts to rank 1 only: rank 1's completion bounds o1 - o0 from above, nothing
+    # bounds it from below -> method none, offset 0, uncertainty NA. Ranks 0 and 2 all_reduce: both in
+    # together, done 50 us later -> rank 2 at its shift +- 50 us.
+    s1, s2 = 7 * 10**9, -3 * 10**9
+    b, d = T, T + 10**7
+    scripts = [
+        [
+            coll("broadcast", source=A, group=(0, 1), root=0, issue=b, complete=b + 10_000),
+            coll(source=B, group=(0, 2), issue=d, complete=d + 50_000),
+        ],
+        [coll("broadcast", source=A, group=(0, 1), root=0, issue=b + 5_000 + s1, complete=b + 30_000 + s1)],
+        [coll(source=B, group=(0, 2), issue=d + s2, complete=d + 50_000 + s2)],
+    ]
+    g = _run(tmp_path, scripts, hosts=["node0", "node1", "node2"])
+    clocks = g.clocks.set_index("rank")
+    assert list(clocks.method) == ["same-host", "none", "estimated"]
+    assert g.offsets == {(0, 0): 0, (0, 1): 0, (0, 2): s2}
+    assert pd.isna(clocks.loc[1, "uncertainty_ns"]) and clocks.loc[2, "uncertainty_ns"] == 50_000
+    assert list(clocks.reference) == [0, 0, 0] and list(clocks.collectives) == [2, 1, 1]
+    # Rank 1's times cannot be compared with rank 0's: nobody is blamed for the broadcast, whose uncertainty is
+    # unknown (-1).
+    bc = g.collectives.set_index("func").loc["broadcast"]
+    assert bc.last_rank == -1 and bc.uncertainty_ns == -1
+    assert g.timings[0]["waits"] == {0: 0, 1: 0}
+
+
+def test_ranks_linked_by_no_collective_are_their_own_reference(tmp_path):
+    # Five hosts. Ranks 0 and 2 share all_reduces, ranks 3 and 4 share others, rank 1 shares none. Each set is
+    # measured against its lowest rank: references 0, 1, 0, 3, 3. In each pair both are in together and done
+    # 50 us later: the second rank at its shift from the first +- 50 us.
+    shifts = [0, 5 * 10**9, 2 * 10**9, -4 * 10**9, 9 * 10**9]
+    scripts: list[list] = [[] for _ in range(5)]
+    for k in range(3):
+        for pair in ((0, 2), (3, 4)):
+            base = T + (2 * k + pair[0]) * 10**7
+            for r in pair:
+                scripts[r].append(
+                    coll(source=A, group=pair, issue=base + shifts[r], complete=base + 50_000 + shifts[r])
+                )
+    g = _run(tmp_path, scripts, hosts=[f"node{r}" for r in range(5)])
+    clocks = g.clocks.set_index("rank")
+    assert list(clocks.reference) == [0, 1, 0, 3, 3]
+    assert list(clocks.collectives) == [3, 0, 3, 3, 3]
+    assert clocks.loc[2, "method"] == "estimated" and clocks.loc[4, "method"] == "estimated"
+    assert list(clocks.uncertainty_ns) == [0, 0, 50_000, 0, 50_000]
+    assert g.offsets == {(0, 0): 0, (0, 1): 0, (0, 2): shifts[2], (0, 3): 0, (0, 4): shifts[4] - shifts[3]}
+    # The summary says which clocks are not aligned with the others (not "offsets 0 by construction").
+    assert "step 0: no collective links the clock of rank(s) 1, 3 to the others" in g.summary()
+
+
+def test_real_epoch_times_are_exact_to_the_ns(tmp_path):
+    # The docs' worked example at today's wall-clock times (~1.7e18 ns, near int64's 2**61 "unreachable"
+    # threshold; float64 steps there are 256 ns): the same offset and waits, to the ns.
+    t0 = 1_700_000_000_123_456_789
+    table = [(1000, 1310, 5300, 5310, False), (2200, 2220, 6000, 6220, False), (3000, 3110, 7100, 7400, True)]
+    us = 1_000
+    s0 = [coll(source=A, issue=t0 + a * us, complete=t0 + b * us, is_async=x) for a, b, _, _, x in table]
+    s1 = [coll(source=A, issue=t0 + c * us, complete=t0 + d * us, is_async=x) for _, _, c, d, x in table]
+    traces = [make_trace(r, s, t0=t0 - 10**6, host=f"node{r}") for r, s in enumerate((s0, s1))]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path)
+    assert g.offsets[(0, 1)] == 4_005 * us and g.clocks.uncertainty_ns[1] == 15 * us
+    assert [t["waits"] for t in g.timings] == [{0: 295 * us, 1: 0}, {0: 0, 1: 205 * us}, {0: 95 * us, 1: 0}]
+    assert list(g.collectives.skew_ns) == [295 * us, 205 * us, 95 * us]

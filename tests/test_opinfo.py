@@ -3,6 +3,8 @@ numbers (each formula written out in a comment) -- never against FlopCounterMode
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,6 +118,31 @@ def test_op_names_and_kinds(op, func, kind):
     info = op_info(op)
     assert (info.func, info.kind, info.counter_key, info.aten) == (func, kind, func, str(op))
     assert op_info(op) is info  # cached: one OpInfo per overload
+
+
+def test_operators_that_are_not_overloads():
+    # A higher-order operator (torch.cond) has no overload packet, schema or tags: named by its __name__, in its
+    # own namespace, writing nothing, seeded by nothing.
+    cond = op_info(torch.ops.higher_order.cond)
+    assert (cond.func, cond.namespace, cond.kind, cond.mutated, cond.nondeterministic) == (
+        "cond",
+        "higher_order",
+        "compute",
+        (),
+        False,
+    )
+    assert cond.flop_fn is None
+
+    # A plain Python callable: its __name__, not the repr of the function object (what str() gives).
+    def scale_rows(x):
+        return x
+
+    info = op_info(scale_rows)
+    assert (info.func, info.namespace, info.kind, info.mutated) == ("scale_rows", "", "compute", ())
+    assert info.aten == str(scale_rows) != info.func
+    # A callable without a __name__ (a functools.partial) is named by what str() says of it.
+    unnamed = functools.partial(scale_rows)
+    assert op_info(unnamed).func == str(unnamed)
 
 
 def test_written_arguments_come_from_the_schema():

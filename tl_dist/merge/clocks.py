@@ -63,6 +63,9 @@ class ClockSolution:
     reference: dict[int, int] = field(default_factory=dict)
     collectives: dict[int, int] = field(default_factory=dict)
     violation_ns: int = 0
+    # True when the bounds contradicted each other by more than widening may repair (a clock stepped by days
+    # inside the window): violation_ns is then the widening that still failed, and no clock is estimated.
+    unresolved: bool = False
     _clock: dict[int, int] = field(default_factory=dict)  # rank -> clock index
 
     def rank_arrays(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -145,8 +148,8 @@ def estimate_clocks(
         if ra != rb:
             parent[max(ra, rb)] = min(ra, rb)
     roots = sorted({find(c) for c in range(n_clocks)})  # clock i's lowest rank is lower than clock i+1's
-    upper, lower_neg, violation = _solve(edges, n_clocks, roots)
-    sol.violation_ns = violation
+    upper, lower_neg, violation, resolved = _solve(edges, n_clocks, roots)
+    sol.violation_ns, sol.unresolved = violation, not resolved
     lowest = {}
     for r in ranks:
         lowest.setdefault(clock[r], r)
@@ -276,8 +279,9 @@ def _relax(
     return None
 
 
-def _solve(edges: _Edges, n_clocks: int, roots: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
-    """(dist(root -> k), dist(k -> root), widening) for every clock; widening > 0 when the bounds contradict."""
+def _solve(edges: _Edges, n_clocks: int, roots: list[int]) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """(dist(root -> k), dist(k -> root), widening, resolved) for every clock; widening > 0 when the bounds
+    contradict; resolved False when no widening up to the limit repairs them (widening: the last one tried)."""
 
     def attempt(widen: int) -> tuple[np.ndarray, np.ndarray] | None:
         start = np.full(n_clocks, _INF, dtype=np.int64)
@@ -295,16 +299,16 @@ def _solve(edges: _Edges, n_clocks: int, roots: list[int]) -> tuple[np.ndarray, 
 
     found = attempt(0)
     if found is not None:
-        return found[0], found[1], 0
+        return found[0], found[1], 0, True
     # Contradictory bounds: the least widening of every bound that makes them agree (doubling, then bisection to
     # the ns).
     hi = 1_000
     while (found := attempt(hi)) is None:
-        hi *= 2
-        if hi > 2**50:
+        if hi * 2 > 2**50:
             never = np.full(n_clocks, _INF, dtype=np.int64)
             never[roots] = 0
-            return never, never, 0
+            return never, never, hi, False
+        hi *= 2
     lo = hi // 2 if hi > 1_000 else 0  # the last widening that failed
     best = found
     while hi - lo > 1:
@@ -314,4 +318,4 @@ def _solve(edges: _Edges, n_clocks: int, roots: list[int]) -> tuple[np.ndarray, 
             lo = mid
         else:
             hi, best = mid, got
-    return best[0], best[1], hi
+    return best[0], best[1], hi, True

@@ -135,9 +135,23 @@ def _clock_lines(g: MergedTrace) -> list[str]:
     clocks = g.clocks
     if not len(clocks):
         return ["clocks: no ranks"]
-    if (clocks.method == "same-host").all():
+    lowest = clocks.groupby("step")["rank"].transform("min")
+    unlinked = clocks[
+        (clocks.method == "same-host")
+        & (clocks["reference"] != lowest)
+        & (clocks["rank"] == clocks["reference"])
+    ]
+    if (clocks.method == "same-host").all() and not len(unlinked):
         return ["clocks: every rank on its reference's clock (same host and boot): offsets 0 by construction"]
     lines = ["clocks (offset vs reference rank, ms, +- uncertainty; method, collectives used):"]
+    for step, frame in unlinked.groupby("step", sort=True):
+        listed = ", ".join(str(r) for r in frame["rank"].head(_MAX_LINES))
+        more = len(frame) - _MAX_LINES
+        lines.append(
+            f"  step {step}: no collective links the clock of rank(s) {listed}"
+            + (f", ... {more} more" if more > 0 else "")
+            + " to the others: each is its own reference, not aligned"
+        )
     for step, frame in clocks[clocks.method != "same-host"].groupby("step", sort=True):
         frame = frame.sort_values("uncertainty_ns", ascending=False, na_position="first")
         parts = [
@@ -151,8 +165,15 @@ def _clock_lines(g: MergedTrace) -> list[str]:
         ]
         more = len(frame) - _MAX_LINES
         lines.append(f"  step {step}: " + ", ".join(parts) + (f", ... {more} more" if more > 0 else ""))
-    violation = {s: sol.violation_ns for s, sol in g.clock_solutions.items() if sol.violation_ns}
-    for step, v in sorted(violation.items()):
+    violation = {s: sol for s, sol in g.clock_solutions.items() if sol.violation_ns}
+    for step, sol in sorted(violation.items()):
+        v = sol.violation_ns
+        if sol.unresolved:
+            lines.append(
+                f"  step {step}: recorded times contradicted causality by more than {_ms(v)} ms (a clock stepped?); "
+                "too much to widen: no clock estimated"
+            )
+            continue
         lines.append(
             f"  step {step}: recorded times contradicted causality by {_ms(v)} ms (a clock stepped?); "
             "uncertainties widened by that much"
