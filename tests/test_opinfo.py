@@ -45,6 +45,16 @@ def test_convolution_flops_depend_on_stride():
     assert flops == {"convolution_1": 2 * 1 * 9 * 3 * 2 * 9, "convolution_2": 2 * 1 * 4 * 3 * 2 * 9}
 
 
+def test_convolution_flops_tell_a_transposed_convolution_by_its_flag():
+    # aten.convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups): the same
+    # shapes in, only the `transposed` flag differs, so the memo key must include the non-tensor arguments.
+    # 2 * N * C_out * C_in/groups * kh * kw * (outputs of a convolution, inputs of a transposed one):
+    # conv2d 5x5 -> 3x3, 9 positions; conv_transpose2d spreads each of the 25 inputs.
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 2, 3, 3)
+    flops = _flops(lambda: (F.conv2d(x, w), F.conv_transpose2d(x, w)))
+    assert flops == {"convolution_1": 2 * 1 * 2 * 2 * 9 * 9, "convolution_2": 2 * 1 * 2 * 2 * 9 * 25}
+
+
 def test_ops_without_a_formula_count_zero():
     x = torch.randn(4, 4)
     assert _flops(lambda: (x.relu(), x + 1, x.t())) == {"relu_1": 0, "add_1": 0, "t_1": 0}
@@ -100,6 +110,12 @@ def test_unhashable_argument_is_counted_without_the_memo():
     # a keyword holding a list of lists cannot be part of the memo key; the formula ignores it
     assert flop_count(info, (a, b), {"unused": [[1, 2]]}, a @ b) == 48
     assert flop_count(info, (a, b), {"unused": {"x": 1}}, a @ b) == 48
+    # The convolution formula reads the output's shape: handed on without the memo too. 3x3 output positions:
+    # 2 * N * C_out * C_in * kh * kw * 9.
+    conv = op_info(aten.convolution.default)
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    args = (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    assert flop_count(conv, args, {"unused": [[1]]}, F.conv2d(x, w)) == 2 * 1 * 3 * 2 * 9 * 9
 
 
 @pytest.mark.parametrize(
