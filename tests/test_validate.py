@@ -542,3 +542,37 @@ def test_collective_is_skipped_with_the_reason():
     report = trace.validate()
     assert report.skipped == {"all_reduce_1": "collective: replaying it would need every member rank"}
     assert report.checked == 2 and report
+
+
+class _SideRead(nn.Module):
+    def forward(self, x):
+        a = x * 2
+        self.side = a + 1  # reads `a` before the module returns it, so before an edit of the module's output
+        return a
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _SideRead()
+
+    def forward(self, x):
+        y = x + 1  # an op no edit touches, read together with the edited one below
+        return self.inner(x) * y
+
+
+def test_validate_of_an_edited_trace_skips_what_the_edit_changed_and_checks_the_rest():
+    model, x = _Outer(), torch.randn(3)
+    trace = tl.trace(model, x, intervene=tl.when(tl.module("inner"), tl.scale(10.0)))
+    # Plain PyTorch: the edit scales inner's output (x * 2) by 10 on its way out; `side` read it unedited.
+    assert torch.equal(trace.output, x * 2 * 10 * (x + 1)) and torch.equal(model.inner.side, x * 2 + 1)
+    report = trace.validate()
+    # Ops: add_1 (x + 1), mul_1 (x * 2, edited), add_2 (side), mul_2 (the product). mul_1's saved output is the
+    # edited one (no replay can give it); add_2 ran before the edit took effect (it read the unedited value,
+    # which was not kept); add_1 and mul_2 (which ran after the edit) replay exactly.
+    assert [op.label for op in trace] == ["add_1", "mul_1", "add_2", "mul_2"]
+    assert report.skipped == {
+        "mul_1": "output replaced by an edit (tl.scale(10.0))",
+        "add_2": "read mul_1 before its edit took effect",
+    }
+    assert report and report.checked == 2
