@@ -576,3 +576,24 @@ def test_validate_of_an_edited_trace_skips_what_the_edit_changed_and_checks_the_
         "add_2": "read mul_1 before its edit took effect",
     }
     assert report and report.checked == 2
+
+
+class _NetThenScale(Net):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_ops_after_a_replay_that_raises_are_still_checked():
+    torch.manual_seed(0)
+    model, x = _NetThenScale(), torch.randn(5, 4)
+    trace = _trace(model, x)
+    trace.saved[trace["relu_1"].index][0] = torch.zeros(5, 7)  # addmm_2 cannot multiply 5x7 by 8x3
+    trace.saved[trace["mul_1"].index][0] += 1.0  # and the op after it is tampered with too
+    report = trace.validate()
+    # t_1, addmm_1, relu_1, t_2, addmm_2 (raises), mul_1 (its saved output off by 1): all six checked.
+    assert report.checked == 6
+    assert [(m.label, m.max_abs_diff) for m in report.mismatches] == [
+        ("relu_1", math.inf),
+        ("addmm_2", math.inf),
+        ("mul_1", pytest.approx(1.0)),
+    ]
