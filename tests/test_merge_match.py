@@ -412,3 +412,180 @@ def test_traces_in_memory_merge_as_their_shards(tmp_path):
     assert memory.time_breakdown().equals(disk.time_breakdown())
     assert [j.entries for j in memory.joined] == [j.entries for j in disk.joined]
     assert len(memory.findings) == 3  # rank 1's shard, the size mismatch, the collective rank 1 never reached
+
+
+# -- alignment, swaps, culprits, size-rule edges and hang details (hand-derived expectations) ---------------
+D, X, Y, Z = "train.py:13", "train.py:20", "train.py:21", "train.py:22"
+
+
+def _kinds(g):
+    return [(f.kind, f.seq, f.ranks) for f in g.findings]
+
+
+def test_added_and_skipped_collectives_are_aligned_at_the_right_place(tmp_path):
+    # 3 ranks; rank 0 (the reference) issues A, C. Rank 1 adds three B between them, rank 2 one B. The extras
+    # join by (where, n-th occurrence in the gap): the first B of ranks 1 and 2 is one collective (seq 2 on
+    # both), rank 1's second and third B are two more (seqs 3 and 4), each lacking ranks 0 and 2. C's seq is
+    # the lowest among ranks: rank 0's 2.
+    g3 = (0, 1, 2)
+    s0 = [coll(source=A, group=g3), coll(source=C, group=g3)]
+    s1 = [coll(source=A, group=g3)] + [coll(source=B, group=g3)] * 3 + [coll(source=C, group=g3)]
+    s2 = [coll(source=A, group=g3), coll(source=B, group=g3), coll(source=C, group=g3)]
+    g = _merge(tmp_path / "a", [s0, s1, s2])
+    assert _kinds(g) == [("missing", 2, (0,)), ("missing", 3, (0, 2)), ("missing", 4, (0, 2))]
+    assert list(g.collectives.ranks) == [g3, (1, 2), (1,), (1,), g3]
+    assert list(g.collectives.seq) == [1, 2, 3, 4, 2]
+    # Rank 1 issues Y, Z where rank 0 issued X: Y pairs with X by position (same kind and sizes: matched), and
+    # Z is an extra rank 0 lacks, joined after that pair, before D.
+    s0 = [coll(source=A), coll(source=X), coll(source=D)]
+    s1 = [coll(source=A), coll(source=Y), coll(source=Z), coll(source=D)]
+    g = _merge(tmp_path / "b", [s0, s1])
+    assert _kinds(g) == [("missing", 3, (0,))]
+    assert list(g.collectives.ranks) == [(0, 1), (0, 1), (1,), (0, 1)]
+    assert list(g.collectives.seq) == [1, 2, 3, 3]
+    # Rank 1 skips B; the two collectives after it (C, then a broadcast at D) still pair with rank 0's.
+    s0 = [coll(source=A), coll(source=B), coll(source=C), coll("broadcast", source=D)]
+    s1 = [coll(source=A), coll(source=C), coll("broadcast", source=D)]
+    g = _merge(tmp_path / "c", [s0, s1])
+    assert _kinds(g) == [("missing", 2, (1,))]
+    assert g.findings[0].message.endswith("(train.py:11): not issued by rank(s) [1]")
+    assert list(g.collectives.verdict) == ["matched", "missing", "matched", "matched"]
+    assert list(g.collectives.func) == ["all_reduce", "all_reduce", "all_reduce", "broadcast"]
+
+
+def test_aligner_does_not_junk_a_collective_repeated_hundreds_of_times(tmp_path):
+    # 201 collectives: 100 x A, one B, 100 x A; rank 1 skips B. difflib's "autojunk" heuristic would drop A
+    # (over 1% of rank 1's 200 keys) and pair by position, blaming the last A (seq 201). B (seq 101) it is.
+    s0 = [coll(source=A)] * 100 + [coll(source=B)] + [coll(source=A)] * 100
+    s1 = [coll(source=A)] * 200
+    g = _merge(tmp_path, [s0, s1])
+    assert _kinds(g) == [("missing", 101, (1,))]
+    assert g.findings[0].where[0]["source"] == B
+
+
+def test_swaps_fold_within_three_collectives_only(tmp_path):
+    # Rank 1 issues X three collectives late (seq 4, rank 0's is seq 2): one order finding, blamed on rank 1
+    # (a 1-1 vote on seq: the lowest rank's side wins). Rank 0's X is op 3 (mm, A, mm, X), rank 1's op 7.
+    s0 = [coll(source=A), coll(source=X), coll(source=B), coll(source=C)]
+    s1 = [coll(source=A), coll(source=B), coll(source=C), coll(source=X)]
+    f = _only(_merge(tmp_path / "a", [s0, s1]))
+    assert (f.kind, f.seq, f.ranks) == ("order", 2, (1,))
+    assert f.message == (
+        "all_reduce seq 2 of group [0, 1] at all_reduce_2 in (outside modules) (train.py:20): "
+        "issued at different positions (sequence numbers {0: 2, 1: 4})"
+    )
+    assert (f.where[0]["op"], f.where[1]["op"]) == (3, 7)
+    # Four apart is beyond the window: rank 1 lacks rank 0's first X, rank 0 lacks rank 1's last.
+    s0 = [coll(source=X), coll(source=A), coll(source=B), coll(source=C)]
+    s1 = [coll(source=A), coll(source=B), coll(source=C), coll(source=X)]
+    g = _merge(tmp_path / "b", [s0, s1])
+    assert _kinds(g) == [("missing", 1, (1,)), ("missing", 4, (0,))]
+    assert [f.primary for f in g.findings] == [True, True]  # only a later hang is secondary
+    # Rank 1 skips the first of two X: not an order problem with the X both issued later.
+    s0 = [coll(source=X), coll(source=A), coll(source=X)]
+    s1 = [coll(source=A), coll(source=X)]
+    assert _kinds(_merge(tmp_path / "c", [s0, s1])) == [("missing", 1, (1,))]
+    # Rank 1 skips X and later issues Y, which rank 0 never does: two different collectives, not a swap.
+    s0 = [coll(source=A), coll(source=X), coll(source=B)]
+    s1 = [coll(source=A), coll(source=B), coll(source=Y)]
+    assert _kinds(_merge(tmp_path / "d", [s0, s1])) == [("missing", 2, (1,)), ("missing", 3, (0,))]
+
+
+def test_disagreements_blame_the_minority_and_say_what_each_rank_did(tmp_path):
+    g3 = (0, 1, 2)
+    s = [coll(source=A, group=g3), coll(source=B, group=g3)]
+    odd = [coll(source=A, group=g3), coll("broadcast", source=B, group=g3)]
+    f = _only(_merge(tmp_path / "a", [s, s, odd]))
+    assert (f.kind, f.ranks) == ("type_mismatch", (2,))
+    assert f.message.endswith(
+        ": different collectives: rank 0 all_reduce, rank 1 all_reduce, rank 2 broadcast"
+    )
+    odd = [coll(source=A, group=g3), coll(source=B, group=g3, dtype="bfloat16")]
+    f = _only(_merge(tmp_path / "b", [s, odd, s]))
+    assert (f.kind, f.ranks) == ("dtype_mismatch", (1,))
+    assert f.message.endswith(": different dtypes: rank 0 float32, rank 1 bfloat16, rank 2 float32")
+    # p2p: 2 sent, 3 expected; a 1-1 vote, so the receiver (the higher rank) is blamed.
+    s0 = [coll("send", peer=1, source=A, numel=2)]
+    s1 = [coll("recv", peer=0, source=B, numel=3)]
+    f = _only(_merge(tmp_path / "c", [s0, s1]))
+    assert (f.kind, f.ranks) == ("size_mismatch", (1,))
+    assert f.message == (
+        "p2p send/recv seq -1 of group [0, 1] at send_1 in (outside modules) (train.py:10): "
+        "send and recv sizes differ: rank 0 2, rank 1 3"
+    )
+
+
+def test_size_rule_edges(tmp_path):
+    # Every rank sends 4 and receives 6: each agrees with the others, yet 8 != 12 in total -- all are blamed.
+    assert _sizes(tmp_path / "a", "all_to_all", [(4, 6), (4, 6)]) == [
+        ("size_mismatch", (0, 1), "total input 8 != total output 12")
+    ]
+    # A barrier moves no data: whatever sizes it records are not compared.
+    assert _sizes(tmp_path / "b", "barrier", [(0, 0), (1, 1)]) == []
+    # An all_gather of 1 element on 2 ranks must output 2: an output of 1 is a real (non-zero) output.
+    assert _sizes(tmp_path / "c", "all_gather", [(1, 1), (1, 1)]) == [
+        ("size_mismatch", (0, 1), "output != input x 2 on ranks {0: 1, 1: 1}")
+    ]
+    # A side of 0 (reduce's non-root output, broadcast's non-root input) is not held to in == out ...
+    assert _sizes(tmp_path / "d", "reduce", [(4, 4), (4, 0)]) == []
+    assert _sizes(tmp_path / "e", "broadcast", [(4, 4), (0, 4)]) == []
+    # ... but an output of 1 is.
+    assert _sizes(tmp_path / "f", "all_reduce", [(4, 1), (4, 1)]) == [
+        ("size_mismatch", (0, 1), "input != output (in, out) on ranks {0: (4, 1), 1: (4, 1)}")
+    ]
+    # A group of one rank still has the kind's rule.
+    assert _sizes(tmp_path / "g", "all_reduce", [(4, 8)]) == [
+        ("size_mismatch", (0,), "input != output (in, out) on ranks {0: (4, 8)}")
+    ]
+
+
+def test_members_that_lack_a_collective_get_the_right_verdict(tmp_path):
+    # Rank 1 crashed before its first collective (no collective at all in its shard): it never reached A.
+    # Its shard says no end_reason, only the error: how it ended is "unknown".
+    crashed = {1: {"error": "RuntimeError: boom"}}
+    g = _merge(tmp_path / "a", [[coll(source=A)], []], ended=crashed)
+    assert _kinds(g) == [("incomplete_shard", -1, (1,)), ("not_completed", 1, (1,))]
+    assert g.findings[0].message == "rank 1's window ended early: unknown (RuntimeError: boom)"
+    assert g.findings[1].message.endswith(
+        ": never reached by rank(s) [1] (incomplete shard); incomplete shards: "
+        "rank 1 unknown (RuntimeError: boom)"
+    )
+    # The reference rank (0) issued nothing, its shard complete: it skipped A.
+    assert _kinds(_merge(tmp_path / "b", [[], [coll(source=A)]])) == [("missing", 1, (0,))]
+    # Rank 2 skipped B, on which ranks 0 and 1 disagree in size: the skip is the finding, not the sizes.
+    g3 = (0, 1, 2)
+    s0 = [coll(source=A, group=g3), coll(source=B, group=g3, numel=4)]
+    s1 = [coll(source=A, group=g3), coll(source=B, group=g3, numel=8)]
+    assert _kinds(_merge(tmp_path / "c", [s0, s1, s0[:1]])) == [("missing", 2, (2,))]
+    # Rank 0 hangs in B, rank 1 completed it, rank 2 (complete shard) skipped it: the skip kept rank 0 waiting.
+    s0 = [coll(source=A, group=g3), coll(source=B, group=g3, state="issued")]
+    s1 = [coll(source=A, group=g3), coll(source=B, group=g3)]
+    g = _merge(tmp_path / "d", [s0, s1, s1[:1]], ended={0: TIMEOUT})
+    assert _kinds(g) == [("incomplete_shard", -1, (0,)), ("not_completed", 2, (2,))]
+    assert ": issued but never completed on rank(s) [0]; not issued by rank(s) [2]; incomplete shards: " in (
+        g.findings[1].message
+    )
+    # Both issued different collectives and neither completed: the mismatch's detail, then who is stuck.
+    s0 = [coll(source=A), coll("all_reduce", source=B, state="issued")]
+    s1 = [coll(source=A), coll("broadcast", source=B, state="issued")]
+    g = _merge(tmp_path / "e", [s0, s1], ended={0: TIMEOUT, 1: TIMEOUT})
+    assert (
+        g.findings[2]
+        .message.split(": ", 1)[1]
+        .startswith(
+            "different collectives: rank 0 all_reduce, rank 1 broadcast; never completed on rank(s) [0, 1]; "
+        )
+    )
+
+
+def test_long_error_is_cut_to_its_first_line_of_at_most_120_characters(tmp_path):
+    # A 120-character first line is kept whole; 121 characters are cut to 117 and "..."; later lines dropped.
+    line120 = "RuntimeError: " + "x" * 106
+    line121 = "RuntimeError: " + "y" * 107
+    ended = {0: {"end_reason": "exception", "error": line120 + "\nmore"}}
+    ended[1] = {"end_reason": "exception", "error": line121 + "\n" + "z" * 130}
+    g = _merge(tmp_path, [[coll(source=A)], [coll(source=A)]], ended=ended)
+    assert [f.message for f in g.findings] == [
+        f"rank 0's window ended early: exception ({line120})",
+        f"rank 1's window ended early: exception ({line121[:117]}...)",
+    ]
