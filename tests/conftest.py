@@ -4,6 +4,9 @@ import pytest
 import torch
 from external import PACKAGES, have, missing_reason
 from hypothesis import Phase, settings
+from torch import nn
+
+import tl_dist as tl
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -63,3 +66,16 @@ def pytest_runtest_setup(item):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def step_trace():
+    """One training step (forward, backward, SGD) of a small MLP, captured: the drawing and Perfetto tests'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    with tl.capture() as cap:
+        model(x).sum().backward()
+        opt.step()
+    return cap.trace

@@ -184,18 +184,6 @@ def test_automatic_depth_past_300_nodes_says_what_it_chose():
 
 
 # -- a training step ------------------------------------------------------------------------------------------
-@pytest.fixture
-def step_trace():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(5, 4)
-    with tl.capture() as cap:
-        model(x).sum().backward()
-        opt.step()
-    return cap.trace
-
-
 def test_backward_and_optimizer_ops_collapse_with_their_module(step_trace):
     t = step_trace
     plan = plan_graph(t, depth=0)

@@ -40,18 +40,6 @@ def _us(trace, ns):
     return (ns - min(trace.columns["start_ns"])) / 1e3
 
 
-@pytest.fixture
-def step_trace():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(5, 4)
-    with tl.capture() as cap:
-        model(x).sum().backward()
-        opt.step()
-    return cap.trace
-
-
 def test_module_slices_nest_around_their_ops(step_trace, tmp_path):
     t = step_trace
     events = _load(t.to_perfetto(tmp_path / "t.json"))
