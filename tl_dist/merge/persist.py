@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 
+from .._files import replacing
 from ..errors import MergeError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION
 from ..store.codecs import ShardOptions, write_table
@@ -39,34 +40,27 @@ def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path, got {type(path).__name__}")
     path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
     options = ShardOptions()
-    try:
-        with h5py.File(tmp, "w") as root:
-            root.attrs["encoding-type"] = ENCODING
-            root.attrs["encoding-version"] = ENCODING_VERSION
-            root.attrs["schema_version"] = SCHEMA_VERSION
-            root.attrs["world_size"] = g.world_size
-            root.attrs["shard_errors"] = json.dumps({f"{s}:{r}": e for (s, r), e in g.shard_errors.items()})
-            root.attrs["expected"] = json.dumps(g.expected_ranks)
-            root.attrs["written"] = json.dumps({str(r): s for r, s in g.written.items()})
-            shards = root.create_group("shards")
-            for (step, rank), trace in g.iter_traces():
-                grp = shards.create_group(f"s{step}_r{rank}")
-                grp.attrs["step"] = step
-                grp.attrs["rank"] = rank
-                meta = dict(trace.metadata)
-                meta["complete"] = (step, rank) not in g.incomplete
-                grp.attrs["metadata"] = json.dumps(meta, default=str)
-                grp.attrs["failed_op"] = json.dumps(trace.failed_op, default=str)
-                write_table(grp, "ops", OP_FIELDS, trace.columns, options)
-                write_table(grp, "modules", MODULE_CALL_FIELDS, trace.module_table, options)
-                write_table(grp, "collectives", COLLECTIVE_FIELDS, trace.collective_table, options)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with replacing(path) as tmp, h5py.File(tmp, "w") as root:
+        root.attrs["encoding-type"] = ENCODING
+        root.attrs["encoding-version"] = ENCODING_VERSION
+        root.attrs["schema_version"] = SCHEMA_VERSION
+        root.attrs["world_size"] = g.world_size
+        root.attrs["shard_errors"] = json.dumps({f"{s}:{r}": e for (s, r), e in g.shard_errors.items()})
+        root.attrs["expected"] = json.dumps(g.expected_ranks)
+        root.attrs["written"] = json.dumps({str(r): s for r, s in g.written.items()})
+        shards = root.create_group("shards")
+        for (step, rank), trace in g.iter_traces():
+            grp = shards.create_group(f"s{step}_r{rank}")
+            grp.attrs["step"] = step
+            grp.attrs["rank"] = rank
+            meta = dict(trace.metadata)
+            meta["complete"] = (step, rank) not in g.incomplete
+            grp.attrs["metadata"] = json.dumps(meta, default=str)
+            grp.attrs["failed_op"] = json.dumps(trace.failed_op, default=str)
+            write_table(grp, "ops", OP_FIELDS, trace.columns, options)
+            write_table(grp, "modules", MODULE_CALL_FIELDS, trace.module_table, options)
+            write_table(grp, "collectives", COLLECTIVE_FIELDS, trace.collective_table, options)
     return path
 
 

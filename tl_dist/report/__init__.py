@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from .._files import replacing
 from .data import Run
 
 if TYPE_CHECKING:
@@ -64,13 +65,6 @@ def write_report(source: MergedTrace | Trace, path: str | os.PathLike, *, title:
             else "tl_dist report: empty run"
         )
     text = Page(run, title).render()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
     return path

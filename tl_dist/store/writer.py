@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
+from .._files import replacing
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, STAT_FIELDS, Field
 from .codecs import STR_DTYPE, ShardOptions, StringTable, _tag, write_table
 
@@ -171,8 +172,8 @@ def write_shard(
     # A post-mortem's stack (tl_dist._stacks) is a dataset of strings, one frame a line, not JSON in an attribute.
     stack = meta.pop("stack", None)
     # pid and thread: a post-mortem written from tl_dist's signal watcher never shares a temporary name.
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
+    hidden = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with replacing(path, tmp=hidden) as tmp:
         # v110 object headers: a third cheaper to create than the default's, and HDF5 >= 1.10 tools
         # (h5dump included) read them.
         with h5py.File(tmp, "w", libver=("v110", "v110")) as root:
@@ -214,11 +215,4 @@ def write_shard(
                 root.create_dataset(
                     "stack", data=np.array([str(s) for s in stack], dtype=object), dtype=STR_DTYPE
                 )
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return path

@@ -28,6 +28,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._files import replacing
 from .graph import PHASES, home_calls
 
 if TYPE_CHECKING:
@@ -259,18 +260,11 @@ def write_events(events: Iterable[dict[str, Any]], path: str | os.PathLike) -> s
     a temporary name renamed when complete; returns the path."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write('{"displayTimeUnit": "ms", "traceEvents": [')
-            for n, event in enumerate(events):
-                fh.write(("," if n else "") + "\n" + json.dumps(event))
-            fh.write("\n]}\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write('{"displayTimeUnit": "ms", "traceEvents": [')
+        for n, event in enumerate(events):
+            fh.write(("," if n else "") + "\n" + json.dumps(event))
+        fh.write("\n]}\n")
     return os.fspath(path)
 
 
