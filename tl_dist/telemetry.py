@@ -22,13 +22,14 @@ Definitions (docs/telemetry.md has them all):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from ._phases import PHASES
-from .training import first_nonfinite
+from .training import first_nonfinite, nonfinite_value
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -121,7 +122,8 @@ class NormRow(NamedTuple):
 
 
 class NonfiniteRow(NamedTuple):
-    """How many recorded values of ops in ``module`` held NaN (or Inf in gradients)."""
+    """How many recorded values of ops in ``module`` held NaN (or +-Inf in gradients and in the outputs of
+    backward and optimizer ops): the values :func:`~tl_dist.training.first_nonfinite` looks at by default."""
 
     module: str
     of: str
@@ -218,7 +220,9 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         >>> t.module_time("encoder", ("forward", "backward")) / 1e6  # ms
     """
     if peak_flops is not None and (
-        isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or peak_flops <= 0
+        isinstance(peak_flops, bool)
+        or not isinstance(peak_flops, (int, float))
+        or not 0 < peak_flops < math.inf  # NaN fails both
     ):
         raise ValueError(f"peak_flops must be a positive number (FLOP/s) or None, got {peak_flops!r}")
     cols = trace.columns
@@ -338,13 +342,22 @@ def _module_rows(
             acc[1] += dur
             acc[2] += fl
             acc[3] += nbytes
+    # Modules in the order of their first call; then those with ops but no call in the window (the backward of
+    # a forward that ran before it) in the order of their first op; the ops outside every module last.
     order = {address: k for k, address in enumerate(info)}
+    for address, _phase in totals:
+        if address != OUTSIDE:
+            order.setdefault(address, len(order))
+    order[OUTSIDE] = len(order)
     phase_order = {p: k for k, p in enumerate(PHASES)}
     rows = []
     for (address, phase), (ops, dur, fl, nbytes) in totals.items():
-        mtype, depth = info.get(address, ("", address.count(".") + 1 if address else 0))
+        # Depth of a module without a call here, from its address: "" 0, "enc" 1, "enc.0" 2; outside: 0.
+        mtype, depth = info.get(
+            address, ("", address.count(".") + 1 if address and address != OUTSIDE else 0)
+        )
         rows.append(ModuleRow(address, mtype, depth, phase, calls.get(address, 0), ops, dur, fl, nbytes))
-    rows.sort(key=lambda r: (order.get(r.module, len(order)), phase_order.get(r.phase, len(PHASES))))
+    rows.sort(key=lambda r: (order[r.module], phase_order.get(r.phase, len(PHASES))))
     return tuple(rows)
 
 
@@ -422,7 +435,7 @@ def _stat_rows(trace: Trace) -> tuple[tuple[NormRow, ...], tuple[NonfiniteRow, .
                 table["min"][k],
                 table["max"][k],
             )
-        if table["nan"][k] or (table["inf"][k] and of == "grad"):
+        if nonfinite_value(of, cols["phase"][op], table["nan"][k], table["inf"][k]):
             module = cols["module"][op] if cols["module_stack"][op] else OUTSIDE
             bad[(module, of)] = bad.get((module, of), 0) + 1
     return tuple(norms.values()), tuple(NonfiniteRow(m, of, c) for (m, of), c in bad.items())

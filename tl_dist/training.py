@@ -365,6 +365,15 @@ class TrainingState:
 
 
 # -- trace-side API (the Trace methods call these; this module never imports trace or capture) ---------
+def nonfinite_value(of: str, phase: str, nan: int, inf: int, *, forward_inf: bool = False) -> bool:
+    """Whether a recorded value (a stats-table row: ``of``, the op's ``phase``, its NaN and Inf counts) counts as
+    non-finite: NaN always; +-Inf in gradients and in backward / optimizer ops' outputs (a backward op's output
+    is a gradient too), in forward values (recomputation repeats them) only with ``forward_inf``."""
+    if nan:
+        return True
+    return bool(inf) and (forward_inf or not (of == "out" and phase in ("forward", "recompute")))
+
+
 def first_nonfinite(trace: Trace, *, forward_inf: bool = False) -> int | None:
     """Index of the first op, in the order values were computed, whose output or gradient held a non-finite
     value; None if none did. NaN counts everywhere, +-Inf in gradients (and in backward and optimizer ops'
@@ -376,9 +385,9 @@ def first_nonfinite(trace: Trace, *, forward_inf: bool = False) -> int | None:
         best: tuple[int, int] | None = None
         phases = trace.columns["phase"]
         for op, of, at, nan, inf in zip(table["op"], table["of"], table["at"], table["nan"], table["inf"]):
-            # A backward op's output is a gradient too; recomputation repeats forward values.
-            forward_value = of == "out" and phases[op] in ("forward", "recompute")
-            if (nan or (inf and (forward_inf or not forward_value))) and (best is None or at < best[0]):
+            if nonfinite_value(of, phases[op], nan, inf, forward_inf=forward_inf) and (
+                best is None or at < best[0]
+            ):
                 best = (at, op)
         return None if best is None else best[1]
     if not trace.saved and not trace.grads:

@@ -1,0 +1,278 @@
+"""``tl.telemetry.summarize`` on a trace built by hand, op by op, so every number it reports can be written out
+here from the definitions in docs/telemetry.md (inclusive module totals, phases, nccl-tests bandwidth, the
+union of collectives in flight, dominant-dtype MFU, statistics rows) rather than computed by the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tl_dist.schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns
+from tl_dist.telemetry import OUTSIDE, CollectiveRow, FuncRow, ModuleRow, NonfiniteRow, NormRow, summarize
+from tl_dist.trace import Trace
+
+_DEFAULTS = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
+
+# (func, kind, phase, module_stack, duration_ns, flops, out_bytes, dtype); op i starts at 1000 + 1000 * i.
+OPS = [
+    ("mm", "compute", "forward", ("", "enc", "enc.0"), 100, 1000, 64, "float32"),  # 0
+    ("relu", "compute", "forward", ("", "enc", "enc.1"), 10, 0, 64, "float32"),  # 1
+    ("mm", "compute", "forward", ("", "head"), 50, 400, 16, "bfloat16"),  # 2
+    ("sum", "compute", "forward", (), 5, 0, 4, "float32"),  # 3: the loss, outside the model
+    ("mm", "compute", "backward", ("", "head"), 80, 800, 64, "bfloat16"),  # 4
+    ("mm", "compute", "backward", ("", "enc", "enc.0"), 200, 2000, 64, "float32"),  # 5
+    ("all_reduce", "collective", "backward", (), 300, 0, 64, "float32"),  # 6
+    ("add_", "compute", "optimizer", (), 20, 0, 0, "float32"),  # 7
+    # A module that calls itself: its address is twice on the stack, its ops count once.
+    ("mm", "compute", "forward", ("", "rec", "rec"), 30, 60, 8, "float32"),  # 8
+    # The backward of a module whose forward ran before the window (no module-table row).
+    ("mm", "compute", "backward", ("", "enc", "enc.2"), 7, 70, 8, "float32"),  # 9
+    ("copy_", "compute", "recompute", ("", "enc", "enc.0"), 3, 0, 8, "float32"),  # 10
+]
+# (address, type, depth) per module call, in call order.
+MODULES = [
+    ("", "Net", 0),
+    ("enc", "Sequential", 1),
+    ("enc.0", "Linear", 2),
+    ("enc.1", "ReLU", 2),
+    ("head", "Linear", 1),
+    ("rec", "Rec", 1),
+    ("rec", "Rec", 2),
+]
+
+
+def _trace(*, metadata=None, collectives=(), stats=(), output_of=None):
+    rows = []
+    for i, (func, kind, phase, stack, dur, fl, nbytes, dtype) in enumerate(OPS):
+        row = {f.name: _DEFAULTS[f.kind] for f in OP_FIELDS}
+        row.update(index=i, label=f"{func}_{i}", func=func, kind=kind, phase=phase, module_stack=stack)
+        row.update(
+            module=stack[-1] if stack else "", duration_ns=dur, flops=fl, out_bytes=nbytes, dtype=dtype
+        )
+        row.update(start_ns=1000 + 1000 * i, source=f"model.py:{10 + i}", device="cpu")
+        rows.append(row)
+    columns = {f.name: [r[f.name] for r in rows] for f in OP_FIELDS}
+    mods = {"address": [], "type": [], "call": [], "parent": [], "depth": [], "first_op": [], "end_op": []}
+    mods.update(out_ops=[], out_pos=[])
+    for address, mtype, depth in MODULES:
+        for key, value in zip(("address", "type", "depth"), (address, mtype, depth)):
+            mods[key].append(value)
+        for key in ("call", "parent", "first_op", "end_op"):
+            mods[key].append(0)
+        mods["out_ops"].append(())
+        mods["out_pos"].append(())
+    ct = empty_columns(COLLECTIVE_FIELDS)
+    for c in collectives:
+        full = {f.name: _DEFAULTS[f.kind] for f in COLLECTIVE_FIELDS}
+        full.update(c)
+        for k in ct:
+            ct[k].append(full[k])
+    st = empty_columns(STAT_FIELDS)
+    for s in stats:
+        full = {f.name: _DEFAULTS[f.kind] for f in STAT_FIELDS}
+        full.update(s)
+        for k in st:
+            st[k].append(full[k])
+    meta = {"window_start_ns": 500, "window_end_ns": 20_500} if metadata is None else metadata
+    return Trace(columns, mods, collective_table=ct, stats_table=st, output_of=output_of, metadata=meta)
+
+
+def test_phase_totals_compute_time_and_the_tables_order():
+    t = summarize(_trace())
+    assert t.op_ns == {"forward": 195, "backward": 587, "optimizer": 20, "recompute": 3}
+    assert t.flops == {"forward": 1460, "backward": 2870, "optimizer": 0, "recompute": 0}
+    assert t.total_flops == 4330
+    assert t.compute_ns == 805 - 300  # everything but the all_reduce
+    assert t.wall_ns == 20_000
+    assert t.flops_per_second == 4330 / 20e-6
+    assert (t.step, t.rank, t.world_size, t.run_id, t.device) == (None, 0, 1, None, "cpu")
+    assert t.peak_flops is None and t.mfu is None
+    # Longest first.
+    assert t.funcs == (
+        FuncRow("all_reduce", "backward", 1, 300, 0, 64),
+        FuncRow("mm", "backward", 3, 287, 2870, 136),
+        FuncRow("mm", "forward", 3, 180, 1460, 88),
+        FuncRow("add_", "optimizer", 1, 20, 0, 0),
+        FuncRow("relu", "forward", 1, 10, 0, 64),
+        FuncRow("sum", "forward", 1, 5, 0, 4),
+        FuncRow("copy_", "recompute", 1, 3, 0, 8),
+    )
+
+
+def test_module_rows_are_inclusive_in_call_order_then_phase_order():
+    t = summarize(_trace())
+    # (module, type, depth, phase, calls, ops, duration_ns, flops, out_bytes), in the order modules were first
+    # called, phases in PHASES order; a module with no call in the window, then ops outside modules, last.
+    assert t.modules == (
+        ModuleRow("", "Net", 0, "forward", 1, 4, 190, 1460, 152),
+        ModuleRow("", "Net", 0, "backward", 1, 3, 287, 2870, 136),
+        ModuleRow("", "Net", 0, "recompute", 1, 1, 3, 0, 8),
+        ModuleRow("enc", "Sequential", 1, "forward", 1, 2, 110, 1000, 128),
+        ModuleRow("enc", "Sequential", 1, "backward", 1, 2, 207, 2070, 72),
+        ModuleRow("enc", "Sequential", 1, "recompute", 1, 1, 3, 0, 8),
+        ModuleRow("enc.0", "Linear", 2, "forward", 1, 1, 100, 1000, 64),
+        ModuleRow("enc.0", "Linear", 2, "backward", 1, 1, 200, 2000, 64),
+        ModuleRow("enc.0", "Linear", 2, "recompute", 1, 1, 3, 0, 8),
+        ModuleRow("enc.1", "ReLU", 2, "forward", 1, 1, 10, 0, 64),
+        ModuleRow("head", "Linear", 1, "forward", 1, 1, 50, 400, 16),
+        ModuleRow("head", "Linear", 1, "backward", 1, 1, 80, 800, 64),
+        ModuleRow("rec", "Rec", 1, "forward", 2, 1, 30, 60, 8),
+        ModuleRow("enc.2", "", 2, "backward", 0, 1, 7, 70, 8),
+        ModuleRow(OUTSIDE, "", 0, "forward", 0, 1, 5, 0, 4),
+        ModuleRow(OUTSIDE, "", 0, "backward", 0, 1, 300, 0, 64),
+        ModuleRow(OUTSIDE, "", 0, "optimizer", 0, 1, 20, 0, 0),
+    )
+    assert t.module_time("enc", ("forward", "backward")) == 317
+    assert t.module_time("enc") == 320  # every phase
+    assert t.module_time("nope") == 0
+    frame = t.frame("modules")
+    assert list(frame.columns) == list(ModuleRow._fields)
+    assert frame.loc[frame.module == "head", "duration_ns"].tolist() == [50, 80]
+
+
+def test_wall_time_without_a_window_span_is_first_start_to_last_end():
+    t = summarize(_trace(metadata={"step": 7, "rank": 2, "world_size": 4, "run_id": "r1"}))
+    # op 0 starts at 1000; the last to end is op 10: 1000 + 10,000 + 3
+    assert t.wall_ns == 10_003
+    assert t.flops_per_second == 4330 / 10.003e-6
+    assert (t.step, t.rank, t.world_size, t.run_id) == (7, 2, 4, "r1")
+
+
+@pytest.fixture
+def tf32():
+    """Sets torch.backends.cuda.matmul.allow_tf32 (a property of torch's cuBLAS module, which monkeypatch
+    cannot restore) and puts it back."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    yield lambda on: setattr(matmul, "allow_tf32", on)
+    matmul.allow_tf32 = before
+
+
+def test_mfu_uses_the_peak_of_the_dtype_with_most_flops(tf32):
+    # float32 ops: 1000 + 2000 + 60 + 70 = 3130 FLOPs; bfloat16: 400 + 800 = 1200
+    meta = {"window_start_ns": 0, "window_end_ns": 1_000_000, "device_name": "NVIDIA H100 80GB HBM3"}
+    tf32(False)
+    t = summarize(_trace(metadata=meta))
+    assert t.device == "NVIDIA H100 80GB HBM3"
+    assert t.flops_per_second == 4330 / 1e-3
+    assert t.peak_flops == 67e12 and t.mfu == 4.33e6 / 67e12
+    tf32(True)  # float32 matmuls on TF32 cores
+    assert summarize(_trace(metadata=meta)).peak_flops == 494e12
+    given = summarize(_trace(metadata=meta), peak_flops=1e7)
+    assert given.peak_flops == 1e7 and given.mfu == 4.33e6 / 1e7
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "1e12", float("nan"), float("inf")])
+def test_peak_flops_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match=r"peak_flops must be a positive number \(FLOP/s\) or None, got "):
+        summarize(_trace(), peak_flops=bad)
+
+
+def _coll(func, ranks, *, name="", desc="", numel=(1024, 1024), dtype="float32", issue=0, complete=None):
+    return dict(
+        func=func,
+        group_ranks=ranks,
+        group_name=name,
+        group_desc=desc,
+        in_numel=numel[0],
+        out_numel=numel[1],
+        dtype=dtype,
+        issue_ns=issue,
+        complete_ns=complete if complete is not None else -1,
+        state="completed" if complete is not None else "issued",
+    )
+
+
+def test_collective_rows_group_names_bandwidth_and_time_in_flight():
+    world = (0, 1, 2, 3)
+    rows = [
+        _coll("all_reduce", world, name="0", desc="default_pg", issue=0, complete=1000),
+        _coll("all_reduce", world, name="0", desc="default_pg", issue=5000),  # never completed
+        _coll("all_gather", (0, 1), name="3", numel=(256, 512), dtype="bfloat16", issue=500, complete=2500),
+        _coll("broadcast", (0, 2), numel=(100, 100), dtype="int64", issue=3000, complete=3100),
+        _coll("send", (0, 2), numel=(10, 0), dtype="not_a_dtype", issue=3010, complete=3050),
+        _coll("reduce_scatter", world, name="7", numel=(4096, 1024), issue=3100, complete=3200),
+    ]
+    t = summarize(_trace(collectives=rows))
+    # Group shown by description, else name, else its ranks. bytes = larger buffer x itemsize (completed
+    # only); algbw = bytes / seconds; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
+    # reduce_scatter), 1 (broadcast, p2p).
+    assert t.collectives == (
+        CollectiveRow("all_reduce", "default_pg", 4, 2, 1, 4096, 1000, 4096 / 1e-6, 4096 / 1e-6 * 1.5),
+        CollectiveRow("all_gather", "3", 2, 1, 1, 1024, 2000, 1024 / 2e-6, 1024 / 2e-6 * 0.5),
+        CollectiveRow("broadcast", "0,2", 2, 1, 1, 800, 100, 800 / 1e-7, 800 / 1e-7),
+        CollectiveRow("send", "0,2", 2, 1, 1, 0, 40, 0.0, 0.0),
+        CollectiveRow("reduce_scatter", "7", 4, 1, 1, 16384, 100, 16384 / 1e-7, 16384 / 1e-7 * 0.75),
+    )
+    # In flight: [0, 1000) and [500, 2500) overlap -> 2500; [3000, 3100) -> 100, [3010, 3050) inside it -> 0,
+    # [3100, 3200) right after it -> 100. The incomplete one is not counted.
+    assert t.comm_ns == 2700
+    assert list(t.frame("collectives").columns) == list(CollectiveRow._fields)
+
+
+def test_statistics_give_the_last_call_norms_and_nonfinite_counts_per_module():
+    stats = [
+        # op 1 (enc.1's output, which is also enc's): two calls' rows, the later one is reported
+        dict(op=1, of="out", at=2, norm=9.0, mean=9.0, std=9.0, min=9.0, max=9.0),
+        dict(op=1, of="out", at=3, norm=3.0, mean=0.5, std=0.25, min=0.0, max=2.0),
+        dict(
+            op=2, of="out", at=4, norm=1.0, mean=0.1, std=0.2, min=-1.0, max=1.0, inf=2
+        ),  # forward -inf: a mask
+        dict(op=2, of="grad", at=9, norm=5.0, mean=0.0, std=1.0, min=-2.0, max=2.0, inf=1),
+        dict(
+            op=4, of="out", at=6, norm=math.inf, mean=0.0, std=0.0, min=0.0, max=math.inf, inf=1
+        ),  # backward op
+        dict(
+            op=3,
+            of="out",
+            at=5,
+            norm=math.nan,
+            mean=math.nan,
+            std=math.nan,
+            min=math.nan,
+            max=math.nan,
+            nan=4,
+        ),
+        dict(op=3, of="out", at=7, nan=1),
+    ]
+    output_of = {1: ("enc.1", "enc"), 2: ("head",)}
+    t = summarize(_trace(stats=stats, output_of=output_of))
+    assert t.norms == (
+        NormRow("enc.1", "out", 3.0, 0.5, 0.25, 0.0, 2.0),
+        NormRow("enc", "out", 3.0, 0.5, 0.25, 0.0, 2.0),
+        NormRow("head", "out", 1.0, 0.1, 0.2, -1.0, 1.0),
+        NormRow("head", "grad", 5.0, 0.0, 1.0, -2.0, 2.0),
+    )
+    # NaN anywhere; Inf in a gradient and in a backward op's output; not the forward -inf of op 2.
+    assert t.nonfinite == (
+        NonfiniteRow("head", "grad", 1),
+        NonfiniteRow("head", "out", 1),
+        NonfiniteRow(OUTSIDE, "out", 2),
+    )
+    # The first value computed that is non-finite: op 3's NaN (at 5), before op 4's Inf (at 6).
+    assert t.first_nonfinite == {
+        "index": 3,
+        "label": "sum_3",
+        "func": "sum",
+        "module": OUTSIDE,
+        "source": "model.py:13",
+        "phase": "forward",
+    }
+    head_first = summarize(_trace(stats=stats[:5], output_of=output_of)).first_nonfinite
+    assert head_first == {
+        "index": 4,
+        "label": "mm_4",
+        "func": "mm",
+        "module": "head",
+        "source": "model.py:14",
+        "phase": "backward",
+    }
+
+
+def test_without_statistics_the_tables_are_empty():
+    t = summarize(_trace())
+    assert (t.norms, t.nonfinite, t.first_nonfinite, t.collectives, t.comm_ns) == ((), (), None, (), 0)
+    assert t.frame("norms").shape == (0, len(NormRow._fields))
