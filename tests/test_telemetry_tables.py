@@ -6,12 +6,24 @@ union of collectives in flight, dominant-dtype MFU, statistics rows) rather than
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tl_dist.schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns
-from tl_dist.telemetry import OUTSIDE, CollectiveRow, FuncRow, ModuleRow, NonfiniteRow, NormRow, summarize
+from tl_dist.telemetry import (
+    OUTSIDE,
+    CollectiveRow,
+    FuncRow,
+    ModuleRow,
+    NonfiniteRow,
+    NormRow,
+    bus_factor,
+    module_name,
+    peak_flops_for,
+    summarize,
+)
 from tl_dist.trace import Trace
 
 _DEFAULTS = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
@@ -44,9 +56,9 @@ MODULES = [
 ]
 
 
-def _trace(*, metadata=None, collectives=(), stats=(), output_of=None):
+def _trace(*, metadata=None, collectives=(), stats=(), output_of=None, ops=OPS):
     rows = []
-    for i, (func, kind, phase, stack, dur, fl, nbytes, dtype) in enumerate(OPS):
+    for i, (func, kind, phase, stack, dur, fl, nbytes, dtype) in enumerate(ops):
         row = {f.name: _DEFAULTS[f.kind] for f in OP_FIELDS}
         row.update(index=i, label=f"{func}_{i}", func=func, kind=kind, phase=phase, module_stack=stack)
         row.update(
@@ -128,13 +140,15 @@ def test_module_rows_are_inclusive_in_call_order_then_phase_order():
     assert t.module_time("enc", ("forward", "backward")) == 317
     assert t.module_time("enc") == 320  # every phase
     assert t.module_time("nope") == 0
+    assert t.module_time() == 190 + 287 + 3  # the root module: every op inside the model
     frame = t.frame("modules")
     assert list(frame.columns) == list(ModuleRow._fields)
     assert frame.loc[frame.module == "head", "duration_ns"].tolist() == [50, 80]
 
 
-def test_wall_time_without_a_window_span_is_first_start_to_last_end():
-    t = summarize(_trace(metadata={"step": 7, "rank": 2, "world_size": 4, "run_id": "r1"}))
+@pytest.mark.parametrize("span", [{}, {"window_start_ns": 500}, {"window_end_ns": 20_500}])
+def test_wall_time_without_a_window_span_is_first_start_to_last_end(span):
+    t = summarize(_trace(metadata={"step": 7, "rank": 2, "world_size": 4, "run_id": "r1", **span}))
     # op 0 starts at 1000; the last to end is op 10: 1000 + 10,000 + 3
     assert t.wall_ns == 10_003
     assert t.flops_per_second == 4330 / 10.003e-6
@@ -276,3 +290,65 @@ def test_without_statistics_the_tables_are_empty():
     t = summarize(_trace())
     assert (t.norms, t.nonfinite, t.first_nonfinite, t.collectives, t.comm_ns) == ((), (), None, (), 0)
     assert t.frame("norms").shape == (0, len(NormRow._fields))
+
+
+def test_an_empty_window():
+    t = summarize(_trace(ops=[], metadata={}))
+    assert (t.wall_ns, t.flops_per_second, t.total_flops, t.compute_ns, t.device) == (0, 0.0, 0, 0, "")
+    assert t.op_ns == {"forward": 0, "backward": 0, "optimizer": 0, "recompute": 0}
+    assert (t.modules, t.funcs) == ((), ())
+    # Every table has its columns even when empty (dashboards concatenate frames of many windows).
+    for table, row in [
+        ("modules", ModuleRow),
+        ("funcs", FuncRow),
+        ("collectives", CollectiveRow),
+        ("norms", NormRow),
+        ("nonfinite", NonfiniteRow),
+    ]:
+        assert list(t.frame(table).columns) == list(row._fields), table
+        assert len(t.frame(table)) == 0
+
+
+def test_frames_hold_the_rows():
+    stats = [dict(op=2, of="grad", at=9, norm=5.0, nan=1)]
+    rows = [_coll("all_reduce", (0, 1), name="0", issue=0, complete=1000)]
+    t = summarize(_trace(stats=stats, output_of={2: ("head",)}, collectives=rows))
+    assert t.frame("funcs").iloc[0].tolist() == ["all_reduce", "backward", 1, 300, 0, 64]
+    assert t.frame("collectives").iloc[0][["kind", "group", "bytes"]].tolist() == ["all_reduce", "0", 4096]
+    assert t.frame("norms").iloc[0][["module", "of", "norm"]].tolist() == ["head", "grad", 5.0]
+    assert t.frame("nonfinite").iloc[0].tolist() == ["head", "grad", 1]
+
+
+def test_module_name_of_ops_rows_and_records():
+    assert module_name({"module": "enc.0", "module_stack": ("", "enc", "enc.0")}) == "enc.0"
+    assert module_name({"module": "", "module_stack": ("",)}) == "<root>"
+    assert module_name({"module_stack": ("",)}) == "<root>"
+    assert module_name({"module": "", "module_stack": ()}) == OUTSIDE
+    assert module_name({"module_stack": ()}) == OUTSIDE
+    assert module_name({}) == OUTSIDE
+    # Objects with attributes (an Op, a collective Entry, a failed-op record), some lacking module_stack.
+    assert module_name(SimpleNamespace(module="head", module_stack=("", "head"))) == "head"
+    assert module_name(SimpleNamespace(module="", module_stack=("",))) == "<root>"
+    assert module_name(SimpleNamespace(module="")) == OUTSIDE
+    assert module_name(SimpleNamespace(module_stack=("",))) == "<root>"
+    trace = _trace()
+    assert [module_name(trace[i]) for i in (0, 3)] == ["enc.0", OUTSIDE]
+
+
+def test_peak_table_falls_back_where_a_device_has_no_tf32(tf32):
+    tf32(True)
+    assert peak_flops_for("Tesla V100-SXM2-16GB", "float32") == 15.7e12  # no TF32 cores
+    assert peak_flops_for("NVIDIA H200", "float16") == 989e12  # TF32 applies to float32 only
+    assert peak_flops_for("NVIDIA L4", "bfloat16") == 121e12
+    assert peak_flops_for("Tesla T4", "bfloat16") is None  # not in its row
+    tf32(False)
+    assert peak_flops_for("NVIDIA H200", "float32") == 67e12
+
+
+def test_bus_factor_edges():
+    # nccl-tests: a one-rank all_reduce moves nothing over the bus; an unknown group size leaves algbw as is.
+    assert bus_factor("all_reduce", 1) == 0.0 and bus_factor("all_gather", 1) == 0.0
+    assert bus_factor("all_reduce", 0) == 1.0 and bus_factor("all_reduce", -1) == 1.0
+    assert bus_factor("all_reduce", 8) == 14 / 8 and bus_factor("all_to_all", 4) == 3 / 4
+    assert bus_factor("scatter", 2) == 0.5 and bus_factor("gather", 2) == 0.5
+    assert bus_factor("broadcast", 8) == 1.0 and bus_factor("reduce", 8) == 1.0
