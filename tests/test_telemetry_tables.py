@@ -206,23 +206,29 @@ def test_collective_rows_group_names_bandwidth_and_time_in_flight():
         _coll("all_reduce", world, name="0", desc="default_pg", issue=0, complete=1000),
         _coll("all_reduce", world, name="0", desc="default_pg", issue=5000),  # never completed
         _coll("all_gather", (0, 1), name="3", numel=(256, 512), dtype="bfloat16", issue=500, complete=2500),
+        _coll("barrier", (0, 1), name="3", numel=(0, 0), issue=2000, complete=2100),
         _coll("broadcast", (0, 2), numel=(100, 100), dtype="int64", issue=3000, complete=3100),
-        _coll("send", (0, 2), numel=(10, 0), dtype="not_a_dtype", issue=3010, complete=3050),
+        _coll("send", (0, 2), numel=(10, 0), issue=3010, complete=3011),
         _coll("reduce_scatter", world, name="7", numel=(4096, 1024), issue=3100, complete=3200),
+        # Completed the moment it was issued (seen complete at issue), of a dtype torch does not know.
+        _coll("all_reduce", (1,), name="9", numel=(10, 10), dtype="not_a_dtype", issue=4000, complete=4000),
     ]
     t = summarize(_trace(collectives=rows))
     # Group shown by description, else name, else its ranks. bytes = larger buffer x itemsize (completed
-    # only); algbw = bytes / seconds; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
-    # reduce_scatter), 1 (broadcast, p2p).
+    # only; 0 for an unknown dtype); algbw = bytes / seconds (0 for no time); busbw = algbw x 2(n-1)/n
+    # (all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, p2p, barrier).
     assert t.collectives == (
         CollectiveRow("all_reduce", "default_pg", 4, 2, 1, 4096, 1000, 4096 / 1e-6, 4096 / 1e-6 * 1.5),
         CollectiveRow("all_gather", "3", 2, 1, 1, 1024, 2000, 1024 / 2e-6, 1024 / 2e-6 * 0.5),
+        CollectiveRow("barrier", "3", 2, 1, 1, 0, 100, 0.0, 0.0),
         CollectiveRow("broadcast", "0,2", 2, 1, 1, 800, 100, 800 / 1e-7, 800 / 1e-7),
-        CollectiveRow("send", "0,2", 2, 1, 1, 0, 40, 0.0, 0.0),
+        CollectiveRow("send", "0,2", 2, 1, 1, 40, 1, 40 / 1e-9, 40 / 1e-9),
         CollectiveRow("reduce_scatter", "7", 4, 1, 1, 16384, 100, 16384 / 1e-7, 16384 / 1e-7 * 0.75),
+        CollectiveRow("all_reduce", "9", 1, 1, 1, 0, 0, 0.0, 0.0),
     )
-    # In flight: [0, 1000) and [500, 2500) overlap -> 2500; [3000, 3100) -> 100, [3010, 3050) inside it -> 0,
-    # [3100, 3200) right after it -> 100. The incomplete one is not counted.
+    # In flight: [0, 1000) and [500, 2500) overlap -> 2500, [2000, 2100) inside that -> 0; [3000, 3100) -> 100,
+    # [3010, 3011) inside it -> 0, [3100, 3200) right after it -> 100; [4000, 4000) -> 0. The incomplete one
+    # is not counted.
     assert t.comm_ns == 2700
     assert list(t.frame("collectives").columns) == list(CollectiveRow._fields)
 
