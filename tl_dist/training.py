@@ -368,7 +368,14 @@ class TrainingState:
 def nonfinite_value(of: str, phase: str, nan: int, inf: int, *, forward_inf: bool = False) -> bool:
     """Whether a recorded value (a stats-table row: ``of``, the op's ``phase``, its NaN and Inf counts) counts as
     non-finite: NaN always; +-Inf in gradients and in backward / optimizer ops' outputs (a backward op's output
-    is a gradient too), in forward values (recomputation repeats them) only with ``forward_inf``."""
+    is a gradient too), in forward values (recomputation repeats them) only with ``forward_inf``.
+
+    Example:
+        >>> nonfinite_value("out", "forward", nan=0, inf=12)  # an attention mask's -inf
+        False
+        >>> nonfinite_value("grad", "forward", nan=0, inf=1)
+        True
+    """
     if nan:
         return True
     return bool(inf) and (forward_inf or not (of == "out" and phase in ("forward", "recompute")))

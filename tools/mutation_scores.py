@@ -43,12 +43,16 @@ def main() -> int:
     if not by_module:
         print("no mutmut results: run `make mutation` first")
         return 1
-    low = []
+    low, unrun = [], []
     print(f"{'module':<24}{'killed':>8}{'total':>7}{'score':>8}  not run")
     for module, statuses in sorted(by_module.items()):
         checked = {n: s for n, s in statuses.items() if s != "not checked"}
         killed = sum(s in KILLED for s in checked.values())
-        score = 100 * killed / len(checked) if checked else 0.0
+        if not checked:  # mutmut forgets every module's results when the tree changes
+            unrun.append(module)
+            print(f"{module:<24}{'-':>8}{'-':>7}{'-':>8}  {len(statuses)}")
+            continue
+        score = 100 * killed / len(checked)
         if args.target is not None and score < args.target:
             low.append(module)
         print(f"{module:<24}{killed:>8}{len(checked):>7}{score:>7.1f}%  {len(statuses) - len(checked)}")
@@ -57,9 +61,11 @@ def main() -> int:
         for name, status in sorted(statuses.items()):
             if status not in KILLED and status != "not checked":
                 print(f"  {name}: {status}")
+    if unrun:
+        print(f"\nnot run: {', '.join(unrun)}")
     if low:
         print(f"\nbelow {args.target:.0f} %: {', '.join(low)}")
-    return 1 if low else 0
+    return 1 if low or (unrun and args.target is not None) else 0
 
 
 if __name__ == "__main__":
