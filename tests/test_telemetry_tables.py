@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tl_dist.schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns
+from tl_dist.schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns
 from tl_dist.telemetry import (
     OUTSIDE,
     CollectiveRow,
@@ -56,38 +56,28 @@ MODULES = [
 ]
 
 
+def _table(fields, rows):
+    """Columns of ``fields`` holding ``rows`` (dicts of some fields; the others get the kind's zero)."""
+    table = empty_columns(fields)
+    for row in rows:
+        for f in fields:
+            table[f.name].append(row.get(f.name, _DEFAULTS[f.kind]))
+    return table
+
+
 def _trace(*, metadata=None, collectives=(), stats=(), output_of=None, ops=OPS):
     rows = []
     for i, (func, kind, phase, stack, dur, fl, nbytes, dtype) in enumerate(ops):
-        row = {f.name: _DEFAULTS[f.kind] for f in OP_FIELDS}
-        row.update(index=i, label=f"{func}_{i}", func=func, kind=kind, phase=phase, module_stack=stack)
-        row.update(
-            module=stack[-1] if stack else "", duration_ns=dur, flops=fl, out_bytes=nbytes, dtype=dtype
+        rows.append(
+            dict(index=i, label=f"{func}_{i}", func=func, kind=kind, phase=phase, module_stack=stack)
+            | dict(
+                module=stack[-1] if stack else "", duration_ns=dur, flops=fl, out_bytes=nbytes, dtype=dtype
+            )
+            | dict(start_ns=1000 + 1000 * i, source=f"model.py:{10 + i}", device="cpu")
         )
-        row.update(start_ns=1000 + 1000 * i, source=f"model.py:{10 + i}", device="cpu")
-        rows.append(row)
-    columns = {f.name: [r[f.name] for r in rows] for f in OP_FIELDS}
-    mods = {"address": [], "type": [], "call": [], "parent": [], "depth": [], "first_op": [], "end_op": []}
-    mods.update(out_ops=[], out_pos=[])
-    for address, mtype, depth in MODULES:
-        for key, value in zip(("address", "type", "depth"), (address, mtype, depth)):
-            mods[key].append(value)
-        for key in ("call", "parent", "first_op", "end_op"):
-            mods[key].append(0)
-        mods["out_ops"].append(())
-        mods["out_pos"].append(())
-    ct = empty_columns(COLLECTIVE_FIELDS)
-    for c in collectives:
-        full = {f.name: _DEFAULTS[f.kind] for f in COLLECTIVE_FIELDS}
-        full.update(c)
-        for k in ct:
-            ct[k].append(full[k])
-    st = empty_columns(STAT_FIELDS)
-    for s in stats:
-        full = {f.name: _DEFAULTS[f.kind] for f in STAT_FIELDS}
-        full.update(s)
-        for k in st:
-            st[k].append(full[k])
+    calls = [dict(address=a, type=t, depth=d) for a, t, d in MODULES]
+    columns, mods = _table(OP_FIELDS, rows), _table(MODULE_CALL_FIELDS, calls)
+    ct, st = _table(COLLECTIVE_FIELDS, collectives), _table(STAT_FIELDS, stats)
     meta = {"window_start_ns": 500, "window_end_ns": 20_500} if metadata is None else metadata
     return Trace(columns, mods, collective_table=ct, stats_table=st, output_of=output_of, metadata=meta)
 
