@@ -48,7 +48,7 @@ def main() -> int:
     for module, statuses in sorted(by_module.items()):
         checked = {n: s for n, s in statuses.items() if s != "not checked"}
         killed = sum(s in KILLED for s in checked.values())
-        if not checked:  # mutmut forgets every module's results when the tree changes
+        if not checked:  # mutmut forgets every result when [tool.mutmut]'s test selection changes
             unrun.append(module)
             print(f"{module:<24}{'-':>8}{'-':>7}{'-':>8}  {len(statuses)}")
             continue
