@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tl_dist.schema import COLLECTIVE_FIELDS, OP_FIELDS, empty_columns
+from tl_dist.schema import COLLECTIVE_FIELDS, EMPTY_VALUE, OP_FIELDS, empty_columns
 from tl_dist.store import write_shard
 from tl_dist.trace import Trace
 
-_DEFAULTS = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
 NUMEL = {"all_reduce": (1, 1), "all_gather": (1, 2), "reduce_scatter": (2, 1)}
 
 
@@ -73,7 +72,7 @@ def make_trace(
             (c["func"], "collective", None, c["source"]),
         ):
             counts[func] = counts.get(func, 0) + 1
-            row = {f.name: _DEFAULTS[f.kind] for f in OP_FIELDS}
+            row = {f.name: EMPTY_VALUE[f.kind] for f in OP_FIELDS}
             row.update(index=len(rows), label=f"{func}_{counts[func]}", func=func, kind=kind, source=src)
             row.update(module=c["module"], module_call=-1, phase="forward", dtype=c["dtype"])
             if kind == "collective":
@@ -109,7 +108,7 @@ def make_trace(
                     bucket=-1,
                     backend="gloo",
                 )
-                full = {f.name: _DEFAULTS[f.kind] for f in COLLECTIVE_FIELDS}
+                full = {f.name: EMPTY_VALUE[f.kind] for f in COLLECTIVE_FIELDS}
                 full.update(values)
                 for k in ct:
                     ct[k].append(full[k])

@@ -9,10 +9,9 @@ import random
 
 from tl_dist.merge.graph import build
 from tl_dist.merge.sources import TraceSource
-from tl_dist.schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns
+from tl_dist.schema import COLLECTIVE_FIELDS, EMPTY_VALUE, OP_FIELDS, STAT_FIELDS, empty_columns
 from tl_dist.trace import Trace
 
-_DEFAULTS = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
 T0 = 1_700_000_000_000_000_000
 
 
@@ -28,7 +27,7 @@ class _Builder:
         self, func, kind, phase, dur, *, call=-1, module="", parents=(), params=(), fwd=-1, flops=0, nbytes=0
     ):
         self.counts[func] = self.counts.get(func, 0) + 1
-        row = {f.name: _DEFAULTS[f.kind] for f in OP_FIELDS}
+        row = {f.name: EMPTY_VALUE[f.kind] for f in OP_FIELDS}
         row.update(
             index=len(self.rows), label=f"{func}_{self.counts[func]}", func=func, aten=f"aten.{func}.default"
         )
@@ -170,7 +169,7 @@ def synthetic_run(
                     for name in b.ct:
                         b.ct[name].append(
                             values.get(
-                                name, _DEFAULTS[next(f.kind for f in COLLECTIVE_FIELDS if f.name == name)]
+                                name, EMPTY_VALUE[next(f.kind for f in COLLECTIVE_FIELDS if f.name == name)]
                             )
                         )
         for r, b in enumerate(builders):

@@ -11,7 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tl_dist.schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns
+from tl_dist.schema import (
+    COLLECTIVE_FIELDS,
+    EMPTY_VALUE,
+    MODULE_CALL_FIELDS,
+    OP_FIELDS,
+    STAT_FIELDS,
+    empty_columns,
+)
 from tl_dist.telemetry import (
     OUTSIDE,
     CollectiveRow,
@@ -25,8 +32,6 @@ from tl_dist.telemetry import (
     summarize,
 )
 from tl_dist.trace import Trace
-
-_DEFAULTS = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
 
 # (func, kind, phase, module_stack, duration_ns, flops, out_bytes, dtype); op i starts at 1000 + 1000 * i.
 OPS = [
@@ -61,7 +66,7 @@ def _table(fields, rows):
     table = empty_columns(fields)
     for row in rows:
         for f in fields:
-            table[f.name].append(row.get(f.name, _DEFAULTS[f.kind]))
+            table[f.name].append(row.get(f.name, EMPTY_VALUE[f.kind]))
     return table
 
 

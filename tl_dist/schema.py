@@ -21,6 +21,8 @@ from dataclasses import dataclass
 SCHEMA_VERSION = 1
 
 KINDS = ("int", "float", "bool", "str", "ints", "strs", "shapes")
+# Each kind's empty value: what a column holds for a row that recorded nothing there (not the "unknown" fill).
+EMPTY_VALUE = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
 
 
 @dataclass(frozen=True)

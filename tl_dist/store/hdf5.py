@@ -19,7 +19,14 @@ import torch
 from torch.utils._pytree import treespec_loads
 
 from ..errors import ShardFormatError
-from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, STAT_FIELDS
+from ..schema import (
+    COLLECTIVE_FIELDS,
+    EMPTY_VALUE,
+    MODULE_CALL_FIELDS,
+    OP_FIELDS,
+    SCHEMA_VERSION,
+    STAT_FIELDS,
+)
 from ..trace import Trace
 from .codecs import ENCODING_VERSION, read_table
 from .writer import _OUTPUT_OF_FIELDS, _TREE_FIELDS, ROOT_ENCODING, ShardOptions, write_shard
@@ -257,12 +264,11 @@ def load_columns(path: str | os.PathLike, fields: Iterable[str]) -> Trace:
         ShardFormatError: as :func:`load`.
     """
     wanted = frozenset(fields) | {"index", "label"}
-    empty = {"int": 0, "float": 0.0, "bool": False, "str": "", "ints": (), "strs": (), "shapes": ()}
     with open_shard(Path(path)) as (root, metadata, failed_op, strings):
         columns = read_table(root, "ops", tuple(f for f in OP_FIELDS if f.name in wanted), strings=strings)
         n = len(columns["index"])
         for f in OP_FIELDS:
-            columns.setdefault(f.name, [empty[f.kind]] * n)
+            columns.setdefault(f.name, [EMPTY_VALUE[f.kind]] * n)
         modules = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings)
         collectives = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
         stats = read_table(root, "stats", STAT_FIELDS, strings=strings) if "stats" in root else None
