@@ -349,13 +349,12 @@ def _module_rows(
         if address != OUTSIDE:
             order.setdefault(address, len(order))
     order[OUTSIDE] = len(order)
+    info[OUTSIDE] = ("", 0)
     phase_order = {p: k for k, p in enumerate(PHASES)}
     rows = []
     for (address, phase), (ops, dur, fl, nbytes) in totals.items():
-        # Depth of a module without a call here, from its address: "" 0, "enc" 1, "enc.0" 2; outside: 0.
-        mtype, depth = info.get(
-            address, ("", address.count(".") + 1 if address and address != OUTSIDE else 0)
-        )
+        # Depth of a module without a call here, from its address: "" 0, "enc" 1, "enc.0" 2.
+        mtype, depth = info.get(address, ("", address.count(".") + 1 if address else 0))
         rows.append(ModuleRow(address, mtype, depth, phase, calls.get(address, 0), ops, dur, fl, nbytes))
     rows.sort(key=lambda r: (order[r.module], phase_order.get(r.phase, len(PHASES))))
     return tuple(rows)
