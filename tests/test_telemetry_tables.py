@@ -70,7 +70,7 @@ def _table(fields, rows):
     return table
 
 
-def _trace(*, metadata=None, collectives=(), stats=(), output_of=None, ops=OPS):
+def _trace(*, metadata=None, collectives=(), stats=(), output_of=None, ops=OPS, modules=MODULES):
     rows = []
     for i, (func, kind, phase, stack, dur, fl, nbytes, dtype) in enumerate(ops):
         rows.append(
@@ -80,7 +80,7 @@ def _trace(*, metadata=None, collectives=(), stats=(), output_of=None, ops=OPS):
             )
             | dict(start_ns=1000 + 1000 * i, source=f"model.py:{10 + i}", device="cpu")
         )
-    calls = [dict(address=a, type=t, depth=d) for a, t, d in MODULES]
+    calls = [dict(address=a, type=t, depth=d) for a, t, d in modules]
     columns, mods = _table(OP_FIELDS, rows), _table(MODULE_CALL_FIELDS, calls)
     ct, st = _table(COLLECTIVE_FIELDS, collectives), _table(STAT_FIELDS, stats)
     meta = {"window_start_ns": 500, "window_end_ns": 20_500} if metadata is None else metadata
@@ -393,3 +393,17 @@ def test_bus_factor_edges():
     assert bus_factor("all_reduce", 8) == 14 / 8 and bus_factor("all_to_all", 4) == 3 / 4
     assert bus_factor("scatter", 2) == 0.5 and bus_factor("gather", 2) == 0.5
     assert bus_factor("broadcast", 8) == 1.0 and bus_factor("reduce", 8) == 1.0
+
+
+def test_a_window_that_holds_only_the_backward_of_an_earlier_forward():
+    # No module was called in the window (the forward ran before it): depths come from the addresses.
+    ops = [
+        ("mm", "compute", "backward", ("", "enc", "enc.0"), 40, 400, 8, "float32"),
+        ("mm", "compute", "backward", ("", "enc"), 2, 20, 4, "float32"),
+    ]
+    t = summarize(_trace(ops=ops, modules=[]))
+    assert t.modules == (
+        ModuleRow("", "", 0, "backward", 0, 2, 42, 420, 12),
+        ModuleRow("enc", "", 1, "backward", 0, 2, 42, 420, 12),
+        ModuleRow("enc.0", "", 2, "backward", 0, 1, 40, 400, 8),
+    )
