@@ -143,6 +143,25 @@ def _check_in_browser(path, plots):
     assert inked > 0.02 and len(np.unique(pixels.reshape(-1, pixels.shape[2]), axis=0)) > 50
 
 
+@pytest.mark.needs("chromium")
+def test_browser_check_sees_what_a_page_fetches(tmp_path):
+    """The check above is only worth something if it fails on a page that fetches: a script and an image from
+    URLs are the page's requests, and those and a fetch() made by the page's own code are each blocked and
+    reported (the probe's policy stops fetch() before it is a request)."""
+    from browser import open_page
+
+    page = tmp_path / "fetches.html"
+    page.write_text(
+        '<html><head><title>t</title></head><body><script src="http://example.invalid/a.js"></script>'
+        '<img src="https://example.invalid/b.png"><script>fetch("http://example.invalid/c.json")'
+        ".catch(function () {});</script></body></html>"
+    )
+    seen = open_page(page)
+    urls = ["http://example.invalid/a.js", "https://example.invalid/b.png", "http://example.invalid/c.json"]
+    assert sorted(seen["requests"]) == urls[:2]
+    assert sorted(seen["probe"]["blocked"]) == sorted(urls)
+
+
 @pytest.mark.slow
 @pytest.mark.needs("chromium")
 def test_run_report_in_chromium(tmp_path):
