@@ -94,6 +94,14 @@ def _fault_body(rank, world_size, out_dir, case):
             time.sleep(0.05)
         os.kill(int(pid_file.read_text()), signal.SIGTERM)
     tl.disarm()
+    # A rank that exits closes its gloo connections, and a peer still waiting out its own timeout then fails
+    # with "Connection closed by peer" instead: on a loaded machine the two timeouts end far apart. So no rank
+    # leaves before both have finished their collectives.
+    (out_dir / f"done{rank}").write_text("")
+    for _ in range(600):
+        if all((out_dir / f"done{r}").exists() for r in range(world_size)):
+            break
+        time.sleep(0.05)
     return {"error": error}
 
 
