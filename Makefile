@@ -43,10 +43,16 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
+# Each part prints where its files are; the last lines say where each part's folder is.
 demo: install
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py --out out/demo
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --out runs/ddp-demo
 	$(PY) examples/lightning_ddp.py --out runs/lightning-demo
+	@echo ""
+	@echo "demo outputs:"
+	@echo "  traced CNN:    $(CURDIR)/out/demo (graph.svg, graph_blocks.svg, ops.csv)"
+	@echo "  2-rank DDP:    $(CURDIR)/runs/ddp-demo (rank*/step*.h5, merged.h5, merged.svg, merged.perfetto.json, report.html)"
+	@echo "  Lightning DDP: $(CURDIR)/runs/lightning-demo (logs/version_*/metrics.csv; logs/version_*/tl_dist/: shards, merged.h5, timeline.json, graph.svg)"
 
 test: install
 	$(PY) -m pytest -q

@@ -6,9 +6,10 @@ Run (what ``make demo`` does):
 
 Every rank trains a small MLP with DistributedDataParallel for a few steps and captures every other step into
 ``runs/ddp-demo/rank{R}/step{S}.h5``. Rank 1 is made a little slower (``--straggle-ms``) so the straggler
-report has something to say. After training, rank 0 merges the shards and prints the summary and stragglers,
-and writes the global graph of the last captured step (SVG) and a Perfetto trace (open it in
-https://ui.perfetto.dev).
+report has something to say. After training, rank 0 merges the shards, prints the summary and stragglers, and
+writes into the run folder the global graph of the last captured step (``merged.svg``), a Perfetto trace
+(``merged.perfetto.json``, open it in https://ui.perfetto.dev), the merged trace (``merged.h5``) and the HTML
+report (``report.html``, one self-contained page); it ends by listing where each output is.
 """
 
 from __future__ import annotations
@@ -76,12 +77,21 @@ def main() -> None:
         print()
         print("stragglers:")
         print(g.stragglers().to_string(index=False))
-        try:
-            print(f"\nwrote {g.draw(str(out / 'merged.svg'), step=g.steps[-1])}")
-        except tl.MissingToolError as exc:
-            print(f"\nskipped merged.svg: {exc}")
-        print(f"wrote {g.to_perfetto(out / 'merged.perfetto.json')} (open in https://ui.perfetto.dev)")
-        print(f"wrote {g.save(out / 'merged.h5')} (tl.load_merged / tl-dist summary)")
+        outputs = {"shards": f"{out}/rank*/step*.h5 (steps {g.steps})"}
+        # Graphviz's dot and plotly (the report extra) are optional: without them the demo says how to get them.
+        for name, what, write in (
+            ("merged.svg", f"graph of step {g.steps[-1]}", lambda p: g.draw(str(p), step=g.steps[-1])),
+            ("merged.perfetto.json", "timeline, open in https://ui.perfetto.dev", g.to_perfetto),
+            ("merged.h5", "merged trace, tl.load_merged / tl-dist summary", g.save),
+            ("report.html", "HTML report, open in a browser", g.report),
+        ):
+            try:
+                outputs[what] = write(out / name)
+            except tl.MissingToolError as exc:
+                outputs[what] = f"skipped: {exc}"
+        print("\noutputs:")
+        for what, where in outputs.items():
+            print(f"  {what}: {where}")
     dist.destroy_process_group()
 
 

@@ -13,11 +13,16 @@ batch -- captured on every rank at the same ``trainer.global_step``. Everything 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import shutil
 import subprocess
+import tempfile
 import time
+import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +133,59 @@ class TelemetryCallback(pl.Callback):
         self.merge_on_end = merge_on_end
         self.on_nonfinite = on_nonfinite
         self.peak_flops = float(peak_flops) if peak_flops is not None else None
-        self.captured_steps: list[int] = []  # steps captured by this run (across resumes)
-        self.shard_dir: Path | None = None  # where this fit's shards go (resolved at train start)
+        self._captured_steps: list[int] = []
+        self._shard_dir: Path | None = None
         self._restored_dir: str | None = None
+        # strategy="ddp_spawn" fits in spawned copies of this callback, and Lightning hands nothing of theirs
+        # back: their local rank 0 writes shard_dir and captured_steps to this file at the end of the fit, and
+        # the launching process reads (and removes) it when either attribute is next read there.
+        self._origin_pid = os.getpid()
+        self._handoff = Path(tempfile.gettempdir()) / f"tl_dist-fit-{uuid.uuid4().hex}.json"
+        weakref.finalize(self, _remove, self._handoff)  # never read: removed with the callback, or at exit
         self._reset()
+
+    @property
+    def shard_dir(self) -> Path | None:
+        """Where this fit's shards go (resolved at train start); after a ``ddp_spawn`` fit, in the launching
+        process too."""
+        self._collect()
+        return self._shard_dir
+
+    @shard_dir.setter
+    def shard_dir(self, value: Path | None) -> None:
+        self._shard_dir = value
+
+    @property
+    def captured_steps(self) -> list[int]:
+        """The steps captured by this run (across resumes); after a ``ddp_spawn`` fit, in the launching process
+        too."""
+        self._collect()
+        return self._captured_steps
+
+    @captured_steps.setter
+    def captured_steps(self, value: list[int]) -> None:
+        self._captured_steps = value
+
+    def _collect(self) -> None:
+        """Take the state a spawned fit handed back, if one did (launching process only)."""
+        if os.getpid() != self._origin_pid:
+            return
+        try:
+            text = self._handoff.read_text()
+        except FileNotFoundError:
+            return
+        _remove(self._handoff)
+        state = json.loads(text)  # what state_dict() said in the worker (not a resume: _restored_dir stays)
+        self._captured_steps = [int(s) for s in state["captured_steps"]]
+        self._shard_dir = Path(state["shard_dir"]) if state["shard_dir"] else None
+
+    def _hand_back(self, trainer: pl.Trainer) -> None:
+        """In a spawned worker (local rank 0 of its node), write the state the launching process reads."""
+        if os.getpid() == self._origin_pid or trainer.local_rank != 0:
+            return
+        tmp = self._handoff.with_name(f"{self._handoff.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.state_dict()))
+        os.replace(tmp, self._handoff)  # whole or not at all
 
     def _reset(self) -> None:
         self._cap: Any = None  # the open tl.capture window
@@ -208,6 +262,7 @@ class TelemetryCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self._hand_back(trainer)
         cap, self._cap = self._cap, None
         if cap is not None:
             # The error ended the window: arm's machinery writes its post-mortem shard now, synchronously,
@@ -234,6 +289,7 @@ class TelemetryCallback(pl.Callback):
         finally:
             self._armed = False
             tl.disarm()
+            self._hand_back(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -328,6 +384,11 @@ class TelemetryCallback(pl.Callback):
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 def _gather(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
     """Every rank's ``values`` (rank order), gathered with the strategy."""
     tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)

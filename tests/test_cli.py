@@ -88,9 +88,15 @@ def test_summary_and_draw_of_one_shard_show_that_shards_trace(tmp_path, capsys):
     if have("dot"):
         assert main(["draw", str(shard), "-o", str(tmp_path / "one.svg")]) == 0
         assert "all_reduce_1" in (tmp_path / "one.svg").read_text()
-    # `merge` of one shard still merges it: the other rank is missing.
+    # `merge` of one shard still merges it: the other rank is missing from the merge, but not dead: its shard
+    # is in the sibling folder, and the finding says so.
     assert main(["merge", str(shard), "--no-fail"]) == 0
-    assert "missing_rank: no shard for rank 0 of 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        "missing_rank: no shard for rank 0 of 2: not among the 1 shard path(s) given, but beside them: "
+        f"{run / 'rank00000' / 'step00000000.h5'} (merge the run directory {run} to include them)"
+    ) in out
+    assert "died" not in out
     # --step / --rank pick parts of a run; one shard has none to pick.
     assert main(["summary", str(shard), "--rank", "1"]) == 2
     assert "--step / --rank select part of a run directory or a merged .h5; this is one shard" in (
@@ -110,6 +116,18 @@ def test_a_saved_trace_is_read_by_the_cli(tmp_path, capsys):
     assert first.startswith("tl_dist trace: 2 ops, 1 module calls, ") and first.endswith(
         "48 FLOP, 2 saved ops (56 B)"
     )
+    # Merging it, or an empty folder: the message names the path and what was expected, not merge_ranks'
+    # Python argument (path_or_paths).
+    assert main(["merge", path]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"tl-dist: error: {path} is not named rank{{R}}/step{{S}}.h5 as tl.arm writes shards (a saved trace: open "
+        "it with tl.load)\n"
+    )
+    (tmp_path / "empty").mkdir()
+    assert main(["merge", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "path_or_paths" not in err and f"{tmp_path / 'empty'} holds no shards (expected" in err
 
 
 def test_version_and_errors_name_flags(tmp_path):

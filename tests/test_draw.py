@@ -93,6 +93,68 @@ def test_forward_nodes_edges_and_clusters(net_trace, tmp_path):
     }  # head.0 (Flatten) ran only a view: no node, no cluster
 
 
+def _param_nodes(trace, plan):
+    """Per parameter node: the full names of the parameters it lists (its cluster's address prefixed back)."""
+    table = trace.module_table
+    out = {}
+    for key, node in plan.nodes.items():
+        if node.kind == "params":
+            prefix = (
+                table["address"][node.cluster] + "."
+                if node.cluster >= 0 and table["address"][node.cluster]
+                else ""
+            )
+            out[key] = {prefix + line.split(" ")[0] for line in node.text.split("\n")}
+    return out
+
+
+def test_parameters_of_modules_never_called_stay_apart_per_layer():
+    # MultiheadAttention reads its out_proj's weight and bias in functional code: out_proj never runs as a
+    # module. Each layer's pair is its own node in its self_attn's cluster, feeding only that layer's op.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)  # training mode: no fused fast path
+    t = tl.trace(model, torch.randn(2, 3, 8))
+    plan = plan_graph(t, depth=None)
+    nodes = _param_nodes(t, plan)
+    # Every parameter in exactly one node (12 per layer: in_proj 2, out_proj 2, linear1/2 4, norm1/2 4).
+    listed = [name for names in nodes.values() for name in names]
+    assert sorted(listed) == sorted(n for n, _ in model.named_parameters()) and len(listed) == 24
+    for k in (0, 1):
+        names = {f"layers.{k}.self_attn.out_proj.weight", f"layers.{k}.self_attn.out_proj.bias"}
+        (key,) = [key for key, got in nodes.items() if got == names]
+        assert plan.nodes[key].text == "out_proj.weight 8x8\nout_proj.bias 8"
+        assert plan.nodes[key].cluster == _row(t, f"layers.{k}.self_attn")
+        (reader,) = [b for a, b in plan.edges if a == key]  # the output projection's linear op
+        assert plan.nodes[reader].cluster == _row(t, f"layers.{k}.self_attn")
+        # addmm(bias, x, t(weight)): the weight reaches it through its t() view
+        assert t.columns["func"][int(reader[2:])] == "addmm"
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10)
+        self.head.weight = self.emb.weight  # one tensor, two modules
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_tied_parameter_is_one_node_feeding_both_readers():
+    torch.manual_seed(0)
+    with torch.no_grad():
+        t = tl.trace(_Tied(), torch.tensor([[1, 2, 3]]))
+    plan = plan_graph(t, depth=None)
+    nodes = _param_nodes(t, plan)
+    # The tensor is named by its first owner (emb.weight); head.bias is head's own node.
+    assert sorted(nodes.values(), key=sorted) == [{"emb.weight"}, {"head.bias"}]
+    (tied,) = [key for key, names in nodes.items() if names == {"emb.weight"}]
+    readers = sorted(t.columns["func"][int(b[2:])] for a, b in plan.edges if a == tied)
+    assert readers == ["addmm", "embedding"]  # head reads it through a t() view
+
+
 @needs_dot
 def test_forward_svg_has_the_plan_nodes_and_clusters(net_trace, tmp_path):
     path = tmp_path / "graph.out"  # any name: written as given, no extension added

@@ -324,6 +324,32 @@ def test_provisioning_files_point_at_the_dashboard():
     assert "exporters/grafana/tl_dist.json" in (ROOT / "README.md").read_text()
 
 
+def test_the_wheel_carries_the_grafana_files_and_builds_without_warnings(tmp_path):
+    # A real wheel build of a copy of the package (pip, no network: no deps, no build isolation). setuptools
+    # used to print its BuildBackendWarning ~50 lines each for the three data folders missing from `packages`.
+    import shutil
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    for folder in ("tl_dist", "exporters", "integrations"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
+    cmd += ["--disable-pip-version-check"]
+    proc = subprocess.run(
+        cmd + ["-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "BuildBackendWarning" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[:3000]
+    (wheel,) = (tmp_path / "wheel").glob("tl_dist-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    grafana = {str(p.relative_to(ROOT / "exporters")) for p in GRAFANA.rglob("*") if p.is_file()}
+    assert len(grafana) == 3  # the dashboard and its two provisioning files
+    assert {f"tl_dist/exporters/{p}" for p in grafana} <= names
+
+
 # -- a real Prometheus evaluates every query --------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

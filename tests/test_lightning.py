@@ -112,11 +112,9 @@ def optimizer_updates(trace) -> list[int]:
 @pytest.fixture(scope="module")
 def spawn_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("spawn")
-    runs = {}
-    for name, callbacks in (
-        ("traced", [TelemetryCallback(3, options=STATS, peak_flops=PEAK)]),
-        ("plain", []),
-    ):
+    telemetry = TelemetryCallback(3, options=STATS, peak_flops=PEAK)
+    runs = {"callback": telemetry}  # this (launching) process's callback; the fit ran in spawned copies
+    for name, callbacks in (("traced", [telemetry]), ("plain", [])):
         torch.manual_seed(0)
         model = Regressor()
         trainer = pl.Trainer(
@@ -139,10 +137,14 @@ def spawn_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.needs("dot", optional=True)
 def test_ddp_spawn_writes_shards_at_the_chosen_steps_and_merges(spawn_run):
-    log_dir, _ = spawn_run
+    log_dir, runs = spawn_run
     shard_dir = log_dir / "tl_dist"
     # every_n_steps=3 over global steps 0..6, on both ranks alike
     assert shard_steps(shard_dir) == {"rank00000": [0, 3, 6], "rank00001": [0, 3, 6]}
+    # The launching process's callback says so too (the workers handed their state back), once.
+    telemetry = runs["callback"]
+    assert (telemetry.shard_dir, telemetry.captured_steps) == (shard_dir, [0, 3, 6])
+    assert not telemetry._handoff.exists()
     merged = tl.load_merged(shard_dir / "merged.h5")
     assert merged.steps == [0, 3, 6] and merged.ranks == [0, 1]
     assert merged.findings == []

@@ -9,6 +9,7 @@ op), while the default group keeps the launcher's long timeout for setup and tea
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import time
@@ -448,6 +449,16 @@ def test_train_ddp_example_under_torchrun(tmp_path):
         assert (out / "merged.svg").stat().st_size > 1000
     else:  # the demo carries on without Graphviz and says how to get the picture
         assert not (out / "merged.svg").exists() and "apt-get install graphviz" in proc.stdout
+    # The README's "arm, capture, merge, report": the HTML report of the merged run, and where every output is.
+    listing = proc.stdout[proc.stdout.index("\noutputs:\n") :]
+    assert f"  shards: {out}/rank*/step*.h5 (steps [2, 4])\n" in listing
+    assert f"  merged trace, tl.load_merged / tl-dist summary: {out / 'merged.h5'}\n" in listing
+    if importlib.util.find_spec("plotly") is not None:
+        assert f"  HTML report, open in a browser: {out / 'report.html'}\n" in listing
+        page = (out / "report.html").read_text()
+        assert "<title>tl_dist report: 2/2 rank(s), 2 step(s) (2..4)</title>" in page
+    else:
+        assert not (out / "report.html").exists() and "  HTML report, open in a browser: skipped: " in listing
 
 
 def _line(text: str) -> int:

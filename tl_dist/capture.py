@@ -10,6 +10,7 @@ writes shards and feeds sinks; this module knows nothing of either.
 from __future__ import annotations
 
 import gc
+import os
 import time
 import warnings
 from typing import Any
@@ -44,6 +45,20 @@ def resolve_options(
             )
         return options
     return base.updated(**given) if given else base
+
+
+def _cpu_setting() -> dict[str, Any]:
+    """What CPU timings depend on, for ``summary()``'s caveat (``tl_dist.views.summary.timing_caveat``): torch's
+    intra-op threads, the cores this process may run on, and ``OMP_WAIT_POLICY`` ('' when unset)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
+        cores = os.cpu_count() or 1
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cpu_cores": cores,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+    }
 
 
 class Capture:
@@ -158,6 +173,7 @@ class Capture:
             "clock_offset_ns": rec.clock_offset_ns,
             "window_start_ns": self._start_ns,
             "window_end_ns": end_ns if end_ns is not None else time.time_ns(),
+            **_cpu_setting(),
         }
         cuda = next((d for d in set(columns["device"]) if d.startswith("cuda")), None)
         if cuda is not None:

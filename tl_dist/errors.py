@@ -19,6 +19,12 @@ class MergeError(TlDistError):
     """Shards cannot be merged (missing or unreadable shard with ``strict=True``, mixed runs, ...)."""
 
 
+class SelectionError(MergeError, ValueError):
+    """A step or rank asked for (``steps=`` / ``ranks=`` of a merge, ``step=`` / ``rank=`` of a merged trace's
+    views) that the run has no shard for; the message lists what it has. One type wherever that mistake is made,
+    caught as a :class:`MergeError` or a ``ValueError`` alike."""
+
+
 class ValidationError(TlDistError):
     """``Trace.validate(raise_on_mismatch=True)`` found ops whose replay does not reproduce the saved output."""
 

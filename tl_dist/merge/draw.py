@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import SelectionError
 from ..views.draw import DrawNote, check_format, dot_document, plan_lines, quote, render
 from ..views.graph import check_plan_options, plan_all
 
@@ -26,7 +27,9 @@ def _wanted(name: str, value: Any, known: list[int]) -> list[int]:
         raise ValueError(f"{name} must be None, an int or a list of ints; got {value!r}")
     unknown = sorted(set(values) - set(known))
     if unknown or not values:
-        raise ValueError(f"{name}={value!r}: no shard for {name} {unknown or values}; the run has {known}")
+        raise SelectionError(
+            f"{name}={value!r}: no shard for {name} {unknown or values}; the run has {known}"
+        )
     return sorted(set(values))
 
 

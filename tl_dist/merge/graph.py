@@ -18,11 +18,11 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MergeError, TlDistError
+from ..errors import MergeError, SelectionError, TlDistError
 from .clocks import ClockSolution
 from .match import Finding, Joined
-from .sources import Interner, RankData, ShardSource, check_subset, find_shards
-from .steps import RunFacts, analyse_step, join_step
+from .sources import GivenPaths, Interner, RankData, ShardSource, check_subset, find_shards
+from .steps import RunFacts, analyse_step, beside_note, join_step
 from .timing import step_timing
 
 if TYPE_CHECKING:
@@ -59,10 +59,12 @@ class MergedTrace:
         absent: dict[int, set[int]],
         expected: list[int],
         written: dict[int, list[int]],
+        given: GivenPaths | None = None,
     ) -> None:
         self._source = source
         self.expected_ranks = expected  # the ranks merged (the world, or ranks=)
         self.written = written  # per rank, every step it has a shard for
+        self.given = given  # a merge of a list of shard paths: what it left out (None: a run directory)
         self._data = data  # per (step, rank): RankData without its entries
         self._absent = absent
         self.world_size = world_size
@@ -93,6 +95,7 @@ class MergedTrace:
 
     def rank(self, rank: int, *, step: int | None = None) -> Trace:
         """That rank's :class:`~tl_dist.trace.Trace` (for ``step``; may be omitted when one step was merged).
+        Raises :class:`~tl_dist.errors.SelectionError` when no readable shard is there.
 
         Example:
             >>> g.rank(1)["all_reduce_1"].duration_ns
@@ -104,7 +107,7 @@ class MergedTrace:
             step = steps[0] if steps else None
         key = (step, rank)
         if key not in self._data:
-            raise KeyError(f"no readable shard for rank {rank} at step {step}; ranks: {self.ranks}")
+            raise SelectionError(f"no readable shard for rank {rank} at step {step}; ranks: {self.ranks}")
         if key not in self._full:
             self._full[key] = self._source.trace(key)
         return self._full[key]
@@ -264,7 +267,8 @@ class MergedTrace:
         show_all: bool = False,
     ) -> str:
         """Render one cluster per (step, rank), each drawn as ``trace.draw`` draws one trace, with collectives
-        joined across clusters. ``rank`` and ``step`` pick the shards drawn (an int or a list); ``depth``,
+        joined across clusters. ``rank`` and ``step`` pick the shards drawn (an int or a list; one the run has
+        no shard for raises :class:`~tl_dist.errors.SelectionError`); ``depth``,
         ``phase`` and ``show_all`` as in :func:`tl_dist.views.draw.draw` (``"auto"`` counts the nodes of all
         drawn shards together). Returns the written file's path.
 
@@ -320,13 +324,15 @@ def build(
     expected: Iterable[int] | None = None,
     shard_errors: dict[tuple[int, int], str] | None = None,
     written: dict[int, list[int]] | None = None,
+    given: GivenPaths | None = None,
     progress: bool = False,
 ) -> MergedTrace:
     """The streaming merge over ``source`` (``sources.ShardSource`` / ``MergedFileSource``): reads the shards
     ``keys`` step by step and keeps each step's results (no I/O besides ``source.read``).
 
     ``expected``: the ranks each step should have (default: the world); ``shard_errors``: shards already known
-    to be unreadable; ``written``: per rank, every step it has a shard for (for ``missing_rank``'s last step).
+    to be unreadable; ``written``: per rank, every step it has a shard for (for ``missing_rank``'s last step);
+    ``given``: the merge was of a list of shard paths (``missing_rank`` says where the left-out ones are).
 
     Raises:
         MergeError: a shard of another world size, or (``strict``) one that cannot be read.
@@ -337,7 +343,7 @@ def build(
     for s, r in sorted(keys):
         by_step.setdefault(s, []).append(r)
     names = Interner()
-    facts = RunFacts(world_size, errors, written or {})
+    facts = RunFacts(world_size, errors, written or {}, given)
     bar = _progress(len(keys)) if progress else None
     results, data, absent = [], {}, {}
     try:
@@ -383,6 +389,7 @@ def build(
         absent=absent,
         expected=expected,
         written=written or {},
+        given=given,
     )
 
 
@@ -394,7 +401,7 @@ def load_merged(
 
     Raises:
         ShardFormatError: the file is missing, not HDF5, not a merged trace, or from a newer schema.
-        MergeError: ``steps`` / ``ranks`` select nothing in it.
+        SelectionError: ``steps`` / ``ranks`` select nothing in it (a ``MergeError`` and a ``ValueError``).
 
     Example:
         >>> g = tl.load_merged("job42-merged.h5"); g.findings
@@ -442,8 +449,8 @@ def merge_ranks(
         The merged trace; ``.findings`` is empty for a healthy run.
 
     Raises:
-        MergeError: no shards (or none of the chosen steps/ranks), shards of different world sizes, or
-            (``strict``) a missing/unreadable shard.
+        MergeError: no shards, shards of different world sizes, or (``strict``) a missing/unreadable shard.
+        SelectionError: ``steps`` / ``ranks`` choose no shard, or ranks outside the world.
 
     Example:
         >>> g = tl.merge_ranks("runs/job42", steps=[100], ranks=range(8))
@@ -479,14 +486,16 @@ def _merge(
     progress: bool,
 ) -> MergedTrace:
     refs = find_shards(path_or_paths)
+    is_dir = isinstance(path_or_paths, (str, os.PathLike)) and os.path.isdir(path_or_paths)
+    given = None if is_dir else GivenPaths.of(refs)
     written: dict[int, list[int]] = {}
-    for ref in refs:
-        written.setdefault(ref.rank, []).append(ref.step)
+    for step, rank in sorted({(r.step, r.rank) for r in refs} | set(given.beside if given else ())):
+        written.setdefault(rank, []).append(step)
     chosen = [r for r in refs if (steps is None or r.step in steps) and (ranks is None or r.rank in ranks)]
     if not chosen:
         have_steps = sorted({r.step for r in refs})
         have_ranks = sorted({r.rank for r in refs})
-        raise MergeError(
+        raise SelectionError(
             f"no shards for steps={sorted(steps) if steps else 'all'}, ranks={sorted(ranks) if ranks else 'all'}:"
             f" the shards have steps {_span(have_steps)} and ranks {_span(have_ranks)}"
         )
@@ -498,7 +507,7 @@ def _merge(
     if out_of_range:
         raise MergeError(f"shards for rank(s) {out_of_range} but world_size is {world}")
     if ranks is not None and max(ranks) >= world:
-        raise ValueError(
+        raise SelectionError(
             f"ranks: {sorted(r for r in ranks if r >= world)} outside the world of {world} ranks"
         )
     expected = sorted(ranks) if ranks is not None else list(range(world))
@@ -507,9 +516,11 @@ def _merge(
         for step in sorted({r.step for r in chosen}):
             missing = [r for r in expected if (step, r) not in have]
             if missing:
+                beside = beside_note(step, missing, given)
                 raise MergeError(
-                    f"no shard for rank(s) {missing} at step {step} (world size {world}); pass "
-                    "strict=False to merge the other ranks and report it as a finding"
+                    f"no shard for rank(s) {missing} at step {step} (world size {world})"
+                    + (f": {beside}" if beside else "")
+                    + "; pass strict=False to merge the other ranks and report it as a finding"
                 )
     source = ShardSource(chosen)
     return build(
@@ -519,6 +530,7 @@ def _merge(
         strict=strict,
         expected=expected,
         written=written,
+        given=given,
         progress=progress,
     )
 

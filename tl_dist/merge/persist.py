@@ -4,7 +4,9 @@ Layout (all tables written with the store's codecs, so ``h5dump`` reads them lik
 
     /                       attrs: encoding-type "tl_dist.merged", encoding-version, schema_version,
                                    world_size, shard_errors (JSON), expected (JSON: the ranks merged),
-                                   written (JSON: per rank, the steps it has shards for)
+                                   written (JSON: per rank, the steps it has shards for),
+                                   given (JSON, when a list of shard paths was merged: how many, their run
+                                   directories, the shards there left out)
     /shards/s{S}_r{R}/      attrs: step, rank, metadata (JSON), failed_op (JSON)
         ops/ modules/ collectives/      tables as in a shard
 
@@ -22,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import h5py
 
 from .._files import replacing
-from ..errors import MergeError, ShardFormatError
+from ..errors import SelectionError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION
 from ..store.codecs import ShardOptions, write_table
-from .sources import MergedFileSource, check_subset
+from .sources import GivenPaths, MergedFileSource, check_subset
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
@@ -49,6 +51,8 @@ def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
         root.attrs["shard_errors"] = json.dumps({f"{s}:{r}": e for (s, r), e in g.shard_errors.items()})
         root.attrs["expected"] = json.dumps(g.expected_ranks)
         root.attrs["written"] = json.dumps({str(r): s for r, s in g.written.items()})
+        if g.given is not None:
+            root.attrs["given"] = g.given.to_json()
         shards = root.create_group("shards")
         for (step, rank), trace in g.iter_traces():
             grp = shards.create_group(f"s{step}_r{rank}")
@@ -72,7 +76,7 @@ def open_merged(
 
     Raises:
         ShardFormatError: the file is missing, not HDF5, not a merged trace, or from a newer schema.
-        MergeError: ``steps`` / ``ranks`` select nothing in it.
+        SelectionError: ``steps`` / ``ranks`` select nothing in it.
     """
 
     if not isinstance(path, (str, os.PathLike)):
@@ -104,6 +108,7 @@ def open_merged(
                 json.loads(root.attrs["expected"]) if "expected" in root.attrs else list(range(world_size))
             )
             written = {int(r): s for r, s in json.loads(root.attrs.get("written", "{}")).items()}
+            given = GivenPaths.from_json(root.attrs["given"]) if "given" in root.attrs else None
             groups = {
                 (int(g.attrs["step"]), int(g.attrs["rank"])): name for name, g in root["shards"].items()
             }
@@ -118,7 +123,7 @@ def open_merged(
     groups = {k: v for k, v in groups.items() if chosen(k)}
     errors = {k: v for k, v in errors.items() if chosen(k)}
     if not groups and not errors:
-        raise MergeError(f"{path}: no ranks' tables for steps={steps!r}, ranks={ranks!r}")
+        raise SelectionError(f"{path}: no ranks' tables for steps={steps!r}, ranks={ranks!r}")
     if want_ranks is not None:
         expected = sorted(want_ranks & set(expected))
     return {
@@ -128,4 +133,5 @@ def open_merged(
         "expected": expected,
         "shard_errors": errors,
         "written": written,
+        "given": given,
     }

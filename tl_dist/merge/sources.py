@@ -50,15 +50,15 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
         MergeError: the directory holds no shards, a path does not exist, or a path is not named
             ``rank{R}/step{S}.h5`` (the rank and step are read from it when the shard cannot be).
     """
+    # Messages lead with the path, not the Python argument's name: `tl-dist` users see them too.
     if isinstance(path_or_paths, (str, os.PathLike)):
         root = Path(path_or_paths)
         if root.is_dir():
-            found = sorted(root.glob("rank*/step*.h5"))
-            refs = [_ref(p) for p in found if _SHARD_RE.search(p.as_posix())]
+            refs = _shards_in(root)
             if not refs:
                 raise MergeError(
-                    f"path_or_paths: {root} holds no shards (expected {root}/rank00000/step00000000.h5, as "
-                    "written by tl.arm + tl.capture)"
+                    f"{root} holds no shards (expected {root}/rank00000/step00000000.h5, as written by "
+                    "tl.arm + tl.capture)"
                 )
             return refs
         paths = [root]
@@ -66,18 +66,61 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
         paths = [Path(p) for p in path_or_paths]
     else:
         raise MergeError(
-            f"path_or_paths must be a run directory or a non-empty list of shard paths, got {path_or_paths!r}"
+            f"merge_ranks takes a run directory or a non-empty list of shard paths, got {path_or_paths!r}"
         )
     refs = []
     for p in paths:
         if not p.exists():
-            raise MergeError(f"path_or_paths: {p} does not exist")
+            raise MergeError(f"{p} does not exist (expected a run directory or a shard)")
         if not _SHARD_RE.search(p.as_posix()):
             raise MergeError(
-                f"path_or_paths: {p} is not named rank{{R}}/step{{S}}.h5 as tl.arm writes shards"
+                f"{p} is not named rank{{R}}/step{{S}}.h5 as tl.arm writes shards (a saved trace: open it with "
+                "tl.load)"
             )
         refs.append(_ref(p))
     return refs
+
+
+def _shards_in(root: Path) -> list[ShardRef]:
+    return [_ref(p) for p in sorted(root.glob("rank*/step*.h5")) if _SHARD_RE.search(p.as_posix())]
+
+
+@dataclass(frozen=True)
+class GivenPaths:
+    """A merge of an explicit list of shard paths, not of a run directory: how many were given, the run
+    directories holding them, and the shards of those directories that were not given (by (step, rank)), so a
+    rank missing from the merge is not reported as dead while its shard sits in the sibling folder.
+
+    Example:
+        >>> GivenPaths.of([ShardRef(Path("run/rank00001/step00000000.h5"), 1, 0)]).beside
+        {(0, 0): 'run/rank00000/step00000000.h5'}
+    """
+
+    count: int
+    roots: tuple[str, ...]
+    beside: dict[tuple[int, int], str]
+
+    @classmethod
+    def of(cls, refs: list[ShardRef]) -> GivenPaths:
+        given = {(r.step, r.rank) for r in refs}
+        roots = sorted({r.path.parent.parent for r in refs}, key=str)
+        beside = {
+            (r.step, r.rank): str(r.path)
+            for root in roots
+            for r in _shards_in(root)
+            if (r.step, r.rank) not in given
+        }
+        return cls(len(refs), tuple(map(str, roots)), beside)
+
+    def to_json(self) -> str:
+        beside = {f"{s}:{r}": p for (s, r), p in self.beside.items()}
+        return json.dumps({"count": self.count, "roots": list(self.roots), "beside": beside})
+
+    @classmethod
+    def from_json(cls, text: str) -> GivenPaths:
+        d = json.loads(text)
+        beside = {(int(k.split(":")[0]), int(k.split(":")[1])): p for k, p in d["beside"].items()}
+        return cls(int(d["count"]), tuple(d["roots"]), beside)
 
 
 def _ref(p: Path) -> ShardRef:

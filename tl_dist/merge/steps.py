@@ -12,7 +12,7 @@ from typing import Any
 from .clocks import ClockSolution, clock_key, estimate_clocks
 from .match import Finding, Joined, ending, match_step
 from .members import Members
-from .sources import RankData
+from .sources import GivenPaths, RankData
 from .timing import StepTiming, breakdown_row, step_timing, straggler_rows
 
 # What an incomplete shard says about how its window ended, copied into findings' ``where``.
@@ -46,6 +46,21 @@ class RunFacts:
     world_size: int
     errors: dict[tuple[int, int], str]  # (step, rank) -> why that shard could not be read
     written: dict[int, list[int]]  # per rank, every step it has a shard for
+    given: GivenPaths | None = None  # None: a run directory was merged, not a list of shard paths
+
+
+def beside_note(step: int, ranks: list[int], given: GivenPaths | None) -> str:
+    """Where the shards of ``ranks`` for ``step`` are when the merge was given a list of shard paths that left
+    them out ('' when not: they are really absent)."""
+    if given is None:
+        return ""
+    paths = [given.beside[(step, r)] for r in ranks if (step, r) in given.beside]
+    if not paths:
+        return ""
+    return (
+        f"not among the {given.count} shard path(s) given, but beside them: {', '.join(paths)} (merge the run "
+        f"directory {' / '.join(given.roots)} to include them)"
+    )
 
 
 def shard_findings(step: int, data: dict[int, RankData], absent: set[int], run: RunFacts) -> list[Finding]:
@@ -59,19 +74,27 @@ def shard_findings(step: int, data: dict[int, RankData], absent: set[int], run: 
             continue
         earlier = [s for s in run.written.get(r, ()) if s < step]
         last = max(earlier) if earlier else None
-        tail = f"its last shard is step {last}" if last is not None else "no earlier shard of it was found"
-        out.append(
-            Finding(
-                "missing_rank",
-                step,
-                (),
-                -1,
-                (r,),
-                f"no shard for rank {r} of {run.world_size} ({tail}): it died or hung before its window ended, "
-                "without a post-mortem (SIGKILL, a C++ abort)",
-                {r: {"absent": True, "last_step": last}},
+        where: dict[str, Any] = {"absent": True, "last_step": last}
+        beside = beside_note(step, [r], run.given)
+        if beside and run.given is not None:  # the merge was given a subset: the rank is left out, not dead
+            where["shard"] = run.given.beside[(step, r)]
+            message = f"no shard for rank {r} of {run.world_size}: {beside}"
+        else:
+            tail = (
+                f"its last shard is step {last}" if last is not None else "no earlier shard of it was found"
             )
-        )
+            among = ""
+            if run.given is not None:
+                among = (
+                    f" among the {run.given.count} shard path(s) given, nor in their run directory "
+                    f"{' / '.join(run.given.roots)}"
+                )
+            message = (
+                f"no shard for rank {r} of {run.world_size}{among} ({tail}): it died or hung before its window "
+                "ended, without a post-mortem (SIGKILL, a C++ abort)"
+                + (", or its shards are elsewhere" if among else "")
+            )
+        out.append(Finding("missing_rank", step, (), -1, (r,), message, {r: where}))
     for r, d in sorted(data.items()):
         info = ended_info(d)
         if not info:

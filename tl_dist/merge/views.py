@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..schema import OP_FIELDS
-from ..views.summary import NO_MODULE
+from ..views.summary import NO_MODULE, timing_caveat
 from .match import Joined
 from .timing import StepTiming
 
@@ -213,6 +213,12 @@ def summary(g: MergedTrace) -> str:
         f"tl_dist merged trace: {len(g.ranks)}/{g.world_size} ranks, steps {g.steps}, "
         f"{int(tb.ops.sum()) if len(tb) else 0} ops, {len(g.collectives)} collectives",
     ]
+    caveats: dict[str, set[int]] = {}  # the same caveat on many ranks is one line
+    for step, rank in g.keys():
+        caveat = timing_caveat(g.metadata(step, rank))
+        if caveat:
+            caveats.setdefault(caveat, set()).add(rank)
+    lines.extend(f"rank(s) {sorted(ranks)}: {caveat}" for caveat, ranks in caveats.items())
     verdicts = g.collectives.verdict.value_counts()
     lines.append("collectives by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items()) if v))
     lines.extend(_clock_lines(g))

@@ -10,8 +10,9 @@ Rules (``docs/views.md`` says the same for users):
 - A call nested deeper than ``depth`` collapses, with its whole subtree and every phase of its ops, into one node.
 - Bookkeeping ops (views, ``detach``, allocations, profiler markers) get no node unless ``show_all``; the edges
   through them are kept (an op reading a view of ``x`` gets an edge from ``x``'s producer).
-- One node per module owning parameters (or buffers) read by drawn ops, one per external input shape and one
-  per output of each outermost module call.
+- One node per module owning parameters (or buffers) read by drawn ops (a module never called itself, such as
+  MultiheadAttention's ``out_proj``, in its nearest called ancestor's cluster; a tied parameter, having one
+  name, is one node), one per external input shape and one per output of each outermost module call.
 
 Example:
     >>> plan = plan_graph(trace, depth=1)
@@ -85,14 +86,27 @@ def _owner(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def _first_calls(trace: Trace) -> dict[str, int]:
+    """Module address -> the row of its first call."""
+    first_call: dict[str, int] = {}
+    for row, address in enumerate(trace.module_table["address"]):
+        first_call.setdefault(address, row)
+    return first_call
+
+
+def _host_call(address: str, first_call: dict[str, int]) -> int:
+    """The first call of the module at ``address``, or of its nearest called ancestor when it never ran as a
+    module itself (MultiheadAttention's ``out_proj``, whose parameters functional code reads); -1: none."""
+    while address not in first_call and address:
+        address = _owner(address)
+    return first_call.get(address, -1)
+
+
 def home_calls(trace: Trace) -> list[int]:
     """Per op, the module-call row it is drawn in (-1: top level); see the module doc."""
     cols = trace.columns
-    table = trace.module_table
-    first_call: dict[str, int] = {}
-    for row, address in enumerate(table["address"]):
-        first_call.setdefault(address, row)
-    parent_of = table["parent"]
+    first_call = _first_calls(trace)
+    parent_of = trace.module_table["parent"]
 
     def ancestors(row: int) -> list[int]:
         chain = []
@@ -103,7 +117,7 @@ def home_calls(trace: Trace) -> list[int]:
 
     def params_call(names: Sequence[str]) -> int:
         # The innermost call enclosing every owner of `names` (their common ancestor).
-        rows = {first_call.get(_owner(n), -1) for n in names}
+        rows = {_host_call(_owner(n), first_call) for n in names}
         if not names or -1 in rows:
             return -1
         chains = [ancestors(r) for r in rows]
@@ -245,9 +259,8 @@ def plan_graph(
     src: list[tuple[str, ...]] = [()] * len(trace)  # the nodes standing for each op's value
     members: dict[int, list[int]] = {}  # collapsed row -> its drawn ops
     param_names: dict[str, dict[str, None]] = {}  # params node -> parameter names read
-    first_call: dict[str, int] = {}
-    for row, address in enumerate(table["address"]):
-        first_call.setdefault(address, row)
+    param_key: dict[str, str] = {}  # owning module's address -> its params node
+    first_call = _first_calls(trace)
     param_shapes = _param_shapes(trace)
     labels, funcs, atens, kinds, phase_col = (
         cols["label"],
@@ -260,13 +273,21 @@ def plan_graph(
     ops_drawn = 0
 
     def param_node(name: str) -> str:
-        owner = first_call.get(_owner(name), -1)
+        # One node per module owning parameters, keyed by the owner's address (names are unique per tensor: a
+        # tied parameter has one name, so it is one node), in the cluster of the owner's call or, for an owner
+        # that never ran as a module, of its nearest called ancestor.
+        address = _owner(name)
+        owner = _host_call(address, first_call)
         if owner >= 0 and visible_call[owner] in collapsed:
             return f"m{visible_call[owner]}"  # the parameter lives inside that collapsed node
-        key = f"p{owner}" if owner >= 0 else "p_"
-        param_names.setdefault(key, {})[name] = None
-        if key not in nodes:
+        key = param_key.get(address)
+        if key is None:
+            key = f"p{owner}" if owner >= 0 else "p_"
+            if key in nodes:  # the host's own parameters, or another uncalled module's, have that name
+                key = f"{key}_{len(param_key)}"
+            param_key[address] = key
             nodes[key] = Node(key, "params", owner, "")
+        param_names.setdefault(key, {})[name] = None
         return key
 
     def input_node(shape: tuple | None) -> str:

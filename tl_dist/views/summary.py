@@ -122,6 +122,27 @@ def _short_source(source: str) -> str:
     return f"{os.path.basename(path)}:{line}" if path else source
 
 
+def timing_caveat(metadata: dict[str, Any]) -> str:
+    """Why a trace's CPU timings may be inflated, from what its capture recorded ('' when nothing says so):
+    ``OMP_WAIT_POLICY`` other than ``PASSIVE`` with more torch threads than cores. OpenMP threads then spin
+    while they wait, and on a busy machine an op waits for cores its own threads keep busy.
+
+    Example:
+        >>> timing_caveat({"torch_threads": 4, "cpu_cores": 2, "omp_wait_policy": ""})
+        'NB: timings may be inflated: OMP_WAIT_POLICY is unset (not PASSIVE) with 4 torch threads on 2 cores; ...'
+    """
+    threads, cores = metadata.get("torch_threads"), metadata.get("cpu_cores")
+    policy = metadata.get("omp_wait_policy")
+    if threads is None or cores is None or policy is None or policy.upper() == "PASSIVE" or threads <= cores:
+        return ""
+    setting = f"is {policy}" if policy else "is unset"
+    return (
+        f"NB: timings may be inflated: OMP_WAIT_POLICY {setting} (not PASSIVE) with {threads} torch threads on "
+        f"{cores} cores; OpenMP threads spin while waiting and slow ops down on a busy machine: set "
+        "OMP_WAIT_POLICY=PASSIVE before starting Python (make does), or fewer threads (torch.set_num_threads)"
+    )
+
+
 def summary(trace: Trace, *, top: int = 10) -> str:
     """A readable table of ``trace``: totals, each module's inclusive time and FLOPs, the ``top`` slowest ops.
 
@@ -154,6 +175,9 @@ def summary(trace: Trace, *, top: int = 10) -> str:
         f"tl_dist trace{where}: {n_ops} ops, {n_calls} module calls, {format_ns(total_ns)} in ops, "
         f"{format_count(total_flops, 'FLOP')}, {len(trace.saved)} saved ops ({format_bytes(saved_bytes(trace))})"
     ]
+    caveat = timing_caveat(trace.metadata)
+    if caveat:
+        lines.append(caveat)
     if trace.failed_op:
         failed = trace.failed_op
         lines.append(
