@@ -6,7 +6,10 @@ Example:
     >>> trace["relu_2"].out, trace.to_pandas(), trace.draw("graph.svg")
 """
 
-from . import telemetry
+from . import (
+    api,  # noqa: F401 (attaches the Trace and MergedTrace methods that reach views, store, report)
+    telemetry,
+)
 from .arm import arm, disarm, flush, should_capture, sink_stats
 from .capture import Capture, capture, trace
 from .causal import downstream, upstream

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import _session
-from ._recorder import ACTIVE
+from ._recorder import ACTIVE, Recorder
 from ._stacks import frame_stack, traceback_stack
 from .options import CaptureOptions, check_options
 from .sinks import SinkStats, SinkWorker, check_sinks
@@ -324,8 +324,6 @@ def should_capture(step: int) -> bool:
 # -- post-mortem --------------------------------------------------------------------------------------------
 def _in_flight(frame: Any) -> dict[str, Any] | None:
     """The op a signal interrupted: the Recorder.on_op frame on the interrupted stack, if any."""
-    from ._recorder import Recorder
-
     code = Recorder.on_op.__code__
     while frame is not None:
         if frame.f_code is code:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from . import _session
-from . import replay as replay_module
 from ._common import storage_key
 from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
@@ -368,7 +367,3 @@ def trace(
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output
     return cap.trace
-
-
-# Fork.rerun runs the model through tl.trace; replay never imports capture.
-replay_module.RUNNERS.append(trace)

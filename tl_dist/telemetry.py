@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ._phases import PHASES
-from .training import first_nonfinite, nonfinite_value
+from .trace import first_nonfinite, nonfinite_value
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -6,62 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..schema import OP_FIELDS
 from ..views.summary import NO_MODULE
-from .match import Joined
-from .timing import StepTiming
+from .steps import COLLECTIVE_COLUMNS, collective_row  # noqa: F401 (moved to steps; old path)
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
-
-COLLECTIVE_COLUMNS = (
-    "step",
-    "group",
-    "group_name",
-    "seq",
-    "func",
-    "verdict",
-    "ranks",
-    "missing",
-    "absent",
-    "dtype",
-    "bytes",
-    "start_ns",
-    "skew_ns",
-    "duration_ns",
-    "last_rank",
-    "uncertainty_ns",
-    "label",
-    "module",
-    "source",
-    "detail",
-)
-
-
-def collective_row(j: Joined, timing: StepTiming, k: int) -> tuple:
-    """One row of ``g.collectives`` (``COLLECTIVE_COLUMNS``): joined collective ``k`` of a step and its timing."""
-    entries = list(j.entries.values())
-    first = entries[0]
-    return (
-        j.step,
-        j.group,
-        j.group_name,
-        j.seq,
-        j.func,
-        j.verdict,
-        tuple(sorted(j.entries)),
-        j.missing,
-        j.absent,
-        "/".join(sorted({e.dtype for e in entries})),
-        max(e.nbytes for e in entries),
-        int(timing.start[k]),
-        int(timing.skew[k]),
-        int(timing.duration[k]),
-        int(timing.last_rank[k]),
-        int(timing.uncertainty[k]),
-        first.label,
-        first.module,
-        first.source,
-        j.detail,
-    )
 
 
 def collectives_frame(rows: list[tuple]) -> Any:

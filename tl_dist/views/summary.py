@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..telemetry import OUTSIDE
+from ..telemetry import OUTSIDE, summarize
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -92,8 +92,6 @@ def module_rows(trace: Trace) -> list[dict[str, Any]]:
     """One dict per module address, in order of first call: type, calls, depth and inclusive ops/time/FLOPs
     over every phase (a module's backward ops are those of its forward ops, see ``tl_dist.telemetry``). A
     trailing row collects the ops run outside every module (a top-level loss, the optimizer, the loss seed)."""
-    from ..telemetry import summarize
-
     rows: dict[str, dict[str, Any]] = {}
     for r in summarize(trace).modules:
         row = rows.get(r.module)

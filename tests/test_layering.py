@@ -1,0 +1,137 @@
+"""The package's layering (docs/capture.md, "How the parts depend on each other"), read from the source with
+``ast``: the data at the bottom imports only the vocabulary, no import cycle outside the recorder's hot-path
+helpers even counting ``TYPE_CHECKING`` imports, and no in-package import hidden inside a function."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Top-level adapter folders, installed as tl_dist.<name> (pyproject package-dir).
+TREES = {
+    "tl_dist": ROOT / "tl_dist",
+    "tl_dist.integrations": ROOT / "integrations",
+    "tl_dist.exporters": ROOT / "exporters",
+}
+# The recorder and the helpers it calls per op (module stack, phases, training state) call back into it: one
+# hot-path unit, the only cycle allowed.
+HOT_PATH = {"tl_dist._recorder", "tl_dist._modules", "tl_dist._phases", "tl_dist.training"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for base, root in TREES.items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("").parts
+            rel = rel[:-1] if rel[-1] == "__init__" else rel
+            found[".".join((base, *rel))] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> list[tuple[str, bool]]:
+    """(in-package module imported, whether the import sits inside a function) for each import of ``name``,
+    ``TYPE_CHECKING`` ones included."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    late = {
+        sub.lineno
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for sub in ast.walk(fn)
+        if isinstance(sub, (ast.Import, ast.ImportFrom))
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                out.append((target, node.lineno in late))
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(comp)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_trace_data_imports_only_the_vocabulary():
+    imported = {m for m, _ in _imports("tl_dist.trace")}
+    assert imported <= {"tl_dist.schema", "tl_dist.selectors", "tl_dist.errors", "tl_dist._common"}, imported
+
+
+def test_no_import_cycle_outside_the_recorder_hot_path():
+    graph = {name: {m for m, _ in _imports(name)} for name in MODULES}
+    assert [c for c in _cycles(graph) if not c <= HOT_PATH] == []
+
+
+def test_trace_methods_are_there_whichever_module_is_imported_first():
+    # The facade (tl_dist.api) attaches them; importing tl_dist.trace alone imports the package first.
+    code = (
+        "from tl_dist.trace import Trace\nfrom tl_dist.merge.graph import MergedTrace\n"
+        "missing = [n for n in ('to_pandas', 'draw', 'save', 'report', 'replay', 'fork', 'validate',"
+        " 'summary', 'to_perfetto', 'collectives_frame') if not hasattr(Trace, n)]\n"
+        "missing += [n for n in ('collectives', 'clocks', 'to_pandas', 'summary', 'draw', 'to_perfetto',"
+        " 'report', 'save') if not hasattr(MergedTrace, n)]\nassert not missing, missing\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("name", ["tl_dist.training", "tl_dist.merge.views"])
+def test_moved_names_keep_their_old_import_path(name):
+    module = __import__(name, fromlist=["_"])
+    if name == "tl_dist.training":
+        from tl_dist.trace import first_nonfinite, op_stats
+
+        assert (module.first_nonfinite, module.op_stats) == (first_nonfinite, op_stats)
+    else:
+        from tl_dist.merge.steps import collective_row
+
+        assert module.collective_row is collective_row
