@@ -79,20 +79,6 @@ def flat_outputs(out: Any) -> list[torch.Tensor]:
     return flat
 
 
-def fill_skeleton(value: Any, tensors: list, cursor: list[int]) -> Any:
-    """Rebuild a recorded argument (an item of ``replay[op][1]`` or a value of ``replay[op][2]``) with its
-    tensor slots -- the tensors in it, in the order ``Recorder.on_op`` gathered them: top level, then one list
-    level, args before kwargs -- replaced by ``tensors[cursor[0]:]``."""
-    if isinstance(value, torch.Tensor):
-        cursor[0] += 1
-        return tensors[cursor[0] - 1]
-    if type(value) is list or type(value) is tuple:
-        return type(value)(
-            fill_skeleton(v, tensors, cursor) if isinstance(v, torch.Tensor) else v for v in value
-        )
-    return value
-
-
 def storage_key(t: torch.Tensor) -> int | None:
     """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
     storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose

@@ -22,7 +22,7 @@ from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .errors import TlDistError
 from .options import CaptureOptions, check_options
-from .telemetry import module_name
+from .schema import module_name
 from .trace import Trace
 
 _OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph", "intervene")

@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import TlDistError
 from .views.draw import DrawNote
-from .views.graph import PHASES
+from .schema import PHASES
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 

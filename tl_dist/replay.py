@@ -31,13 +31,13 @@ from torch.utils._pytree import tree_unflatten
 
 from ._common import RowView, flat_outputs, storage_key
 from ._opinfo import mutated_tensors, op_info
+from ._reexec import fill_args
 from .capture import trace as tl_trace
 from .causal import selector_parts
 from .edits import Edit, Site, When, check_result, when
 from .errors import TlDistError
 from .schema import OP_FIELDS, field_names
 from .selectors import Selector, label, module
-from .validate import fill_args
 
 if TYPE_CHECKING:
     from .trace import Trace

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import MergeError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
-from ..telemetry import module_name
+from ..schema import module_name
 from .match import Entry
 from .timing import local_breakdown
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..schema import OP_FIELDS
-from ..views.summary import NO_MODULE
+from ..schema import OP_FIELDS, OUTSIDE
 from .steps import COLLECTIVE_COLUMNS, collective_row  # noqa: F401 (moved to steps; old path)
 
 if TYPE_CHECKING:
@@ -137,14 +136,14 @@ def _where_lines(f: Any) -> list[str]:
         if w.get("absent"):
             last = w.get("last_label")
             line = f"      rank {r}: did not issue it" + (
-                f"; last op {last} in {w.get('last_module') or NO_MODULE} ({w.get('last_source')})"
+                f"; last op {last} in {w.get('last_module') or OUTSIDE} ({w.get('last_source')})"
                 if last
                 else ""
             )
         else:
             line = (
                 f"      rank {r}: {w['label']} seq {w['seq']} {w['state']} in "
-                f"{w['module'] or NO_MODULE} ({w['source'] or 'no source'})"
+                f"{w['module'] or OUTSIDE} ({w['source'] or 'no source'})"
             )
         if w.get("stack_at"):
             line += f"; thread at {w['stack_at']}"

@@ -7,15 +7,14 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..telemetry import OUTSIDE, summarize
+from ..schema import OUTSIDE
+from ..telemetry import summarize
 
 if TYPE_CHECKING:
     from ..trace import Trace
-
-# The one name every view gives "no module" (an op outside every module call): summaries, findings, the report.
-NO_MODULE = OUTSIDE
 
 
 def format_ns(ns: float) -> str:
@@ -155,7 +154,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
     if trace.failed_op:
         failed = trace.failed_op
         lines.append(
-            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or NO_MODULE}): "
+            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or OUTSIDE}): "
             f"{failed['error']}"
         )
 
@@ -194,7 +193,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
                 (
                     str(i),
                     cols["label"][i],
-                    (cols["module"][i] or "<root>") if cols["module_stack"][i] else NO_MODULE,
+                    (cols["module"][i] or "<root>") if cols["module_stack"][i] else OUTSIDE,
                     format_shape(tuple(shapes[0]) if shapes else None),
                     format_ns(durations[i]),
                     f"{share:.1f}%",
@@ -209,3 +208,15 @@ def summary(trace: Trace, *, top: int = 10) -> str:
             render_table(header, body, right=frozenset({0, 4, 5, 6})),
         ]
     return "\n".join(lines)
+
+
+def __getattr__(name: str) -> Any:
+    # NO_MODULE was this module's alias of the outside-every-module name; kept for one release.
+    if name == "NO_MODULE":
+        warnings.warn(
+            "tl_dist.views.summary.NO_MODULE is deprecated; use tl_dist.schema.OUTSIDE",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return OUTSIDE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
