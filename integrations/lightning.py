@@ -32,7 +32,7 @@ from tl_dist.errors import TlDistError
 from tl_dist.merge.draw import merged_source
 from tl_dist.options import check_options
 from tl_dist.sinks import check_sinks
-from tl_dist.store.sink import shard_path
+from tl_dist.store import shard_path
 from tl_dist.telemetry import summarize
 from tl_dist.views.draw import GRAPHVIZ_HINT
 

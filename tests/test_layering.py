@@ -135,3 +135,28 @@ def test_moved_names_keep_their_old_import_path(name):
         from tl_dist.merge.steps import collective_row
 
         assert module.collective_row is collective_row
+
+
+def test_no_in_package_import_inside_a_function():
+    # Late imports hid the cycles; only optional third-party packages (plotly, tqdm, ...) may be imported late.
+    late = sorted(f"{name} -> {m}" for name in MODULES for m, inside in _imports(name) if inside)
+    assert late == []
+
+
+def _store_leaks(name: str) -> list[str]:
+    """Imports of ``name`` that reach past the store's public API: h5py itself, or a module of tl_dist.store."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    leaks = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            leaks += [a.name for a in node.names if a.name.split(".")[0] == "h5py"]
+        elif isinstance(node, ast.ImportFrom):
+            if (node.module or "").split(".")[0] == "h5py" and not node.level:
+                leaks.append(node.module)
+    leaks += [m for m, _ in _imports(name) if m.startswith("tl_dist.store.")]
+    return leaks
+
+
+def test_only_the_store_touches_hdf5_and_others_use_its_public_names():
+    outside = [n for n in MODULES if n != "tl_dist.store" and not n.startswith("tl_dist.store.")]
+    assert {n: _store_leaks(n) for n in outside if _store_leaks(n)} == {}

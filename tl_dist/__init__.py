@@ -43,7 +43,7 @@ from .replay import Fork
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
 from .sinks import Sink, SinkStats
-from .store import ShardOptions, load
+from .store import ShardOptions, load, shard_path
 from .trace import Collective, ModuleCall, Op, Trace
 
 __all__ = [
@@ -94,6 +94,7 @@ __all__ = [
     "resample",
     "scale",
     "should_capture",
+    "shard_path",
     "sink_stats",
     "telemetry",
     "trace",

@@ -26,7 +26,7 @@ from .merge import api as merge_api  # noqa: F401 (attaches MergedTrace's method
 from .replay import Fork, replay
 from .report import write_report
 from .schema import COLLECTIVE_FIELDS
-from .store.writer import write_shard
+from .store import write_shard
 from .trace import Trace
 from .validate import validate
 from .views.draw import draw

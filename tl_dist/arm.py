@@ -34,8 +34,7 @@ from ._recorder import ACTIVE, Recorder
 from ._stacks import frame_stack, traceback_stack
 from .options import CaptureOptions, check_options
 from .sinks import SinkStats, SinkWorker, check_sinks
-from .store.options import ShardOptions
-from .store.sink import ShardSink
+from .store import ShardOptions, ShardSink
 
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
 _DEFAULT_SHARD = ShardOptions()

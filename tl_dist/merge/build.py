@@ -13,12 +13,12 @@ Example:
 from __future__ import annotations
 
 import gc
-import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..errors import MergeError, TlDistError
+from ..errors import MergeError, ShardFormatError, TlDistError
+from ..store import read_metadata
 from .graph import MergedTrace
 from .persist import open_merged
 from .sources import Interner, RankData, ShardSource, check_subset, find_shards
@@ -237,13 +237,10 @@ def _merge(
 
 def _world_hint(refs: list[Any]) -> int | None:
     """The world size the first readable shard's metadata names (a cheap attribute read), or None."""
-    import h5py
-
     for ref in refs:
         try:
-            with h5py.File(ref.path, "r") as f:
-                value = json.loads(f.attrs["metadata"]).get("world_size")
-        except Exception:  # noqa: BLE001 - unreadable shards are reported when the merge reads them
+            value = read_metadata(ref.path).get("world_size")
+        except ShardFormatError:  # unreadable shards are reported when the merge reads them
             continue
         if value is not None:
             return int(value)
