@@ -160,3 +160,56 @@ def _store_leaks(name: str) -> list[str]:
 def test_only_the_store_touches_hdf5_and_others_use_its_public_names():
     outside = [n for n in MODULES if n != "tl_dist.store" and not n.startswith("tl_dist.store.")]
     assert {n: _store_leaks(n) for n in outside if _store_leaks(n)} == {}
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter from the repository root (so the top-level folders are importable
+    by their own names, as in any checkout)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("folder", "right"), [("exporters", "tl_dist.exporters"), ("integrations", "tl_dist.integrations")]
+)
+def test_an_adapter_folder_is_one_module_and_names_its_import(folder, right):
+    # From a checkout the folder is importable by its own name; that would be a second module object.
+    run = _python(f"import {folder}")
+    assert run.returncode != 0 and "ImportError" in run.stderr and f"import it as {right}" in run.stderr
+    assert _python(f"import {right}").returncode == 0
+
+
+# Blocking a package in sys.modules makes importing it raise ImportError, as on an install without the extra.
+_WITHOUT = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked", "adapter", "extra"),
+    [
+        ("tl_dist.exporters.otel", ["opentelemetry"], "tl_dist.exporters.otel", "otel"),
+        ("tl_dist.exporters.otel_spans", ["opentelemetry"], "tl_dist.exporters.otel", "otel"),
+        ("tl_dist.exporters.otel_export", ["opentelemetry"], "tl_dist.exporters.otel", "otel"),
+        ("tl_dist.integrations.lightning", ["lightning"], "tl_dist.integrations.lightning", "lightning"),
+    ],
+)
+def test_an_adapter_without_its_extra_says_what_to_install(module, blocked, adapter, extra):
+    run = _python(_WITHOUT.format(names=blocked) + f"import {module}")
+    assert run.returncode != 0
+    assert f"ImportError: {adapter} needs the tl_dist[{extra}] extra" in run.stderr
+    assert f"pip install 'tl_dist[{extra}]'" in run.stderr
+
+
+def test_the_base_install_traces_arms_and_merges_without_the_adapter_extras(tmp_path):
+    code = _WITHOUT.format(names=["lightning", "opentelemetry", "plotly"]) + (
+        "import torch, tl_dist as tl\n"
+        f"out = {str(tmp_path)!r}\n"
+        "tl.arm(out)\n"
+        "with tl.capture(step=0):\n"
+        "    torch.nn.Linear(3, 2)(torch.randn(4, 3)).sum().backward()\n"
+        "tl.disarm()\n"
+        "g = tl.merge_ranks(out)\n"
+        "print(len(g.rank(0)), g.world_size)\n"
+    )
+    run = _python(code)
+    assert run.returncode == 0, run.stderr
+    # Rank 0's window was written and merged as a world of one.
+    assert run.stdout.split()[1] == "1" and int(run.stdout.split()[0]) > 0
