@@ -40,6 +40,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c $(CONSTRAINTS) torch
+	# .[dev] pulls every extra (otel, lightning, report) besides the tools: the demo and the tests use them all.
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 

@@ -25,10 +25,15 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.metrics import MeterProvider as ApiMeterProvider
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-from opentelemetry.trace import TracerProvider as ApiTracerProvider
+from tl_dist.errors import missing_extra
+
+try:
+    from opentelemetry.metrics import MeterProvider as ApiMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+    from opentelemetry.trace import TracerProvider as ApiTracerProvider
+except ImportError as exc:  # the tl_dist[otel] extra is not installed
+    raise missing_extra("tl_dist.exporters.otel", "otel", exc) from exc
 
 from tl_dist import __version__
 

@@ -19,8 +19,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from tl_dist.errors import missing_extra
+
+try:
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+except ImportError as exc:  # the tl_dist[otel] extra is not installed
+    raise missing_extra("tl_dist.exporters.otel", "otel", exc) from exc
 
 log = logging.getLogger("tl_dist")
 

@@ -23,19 +23,25 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
-from opentelemetry import trace as trace_api
-from opentelemetry.sdk.trace import Tracer as SdkTracer
-from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from tl_dist.telemetry import OUTSIDE
+from tl_dist.errors import missing_extra
+
+try:
+    from opentelemetry import trace as trace_api
+    from opentelemetry.sdk.trace import Tracer as SdkTracer
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+except ImportError as exc:  # the tl_dist[otel] extra is not installed
+    raise missing_extra("tl_dist.exporters.otel", "otel", exc) from exc
+
+from tl_dist.schema import OUTSIDE, ROOT
 
 if TYPE_CHECKING:
     from tl_dist.telemetry import StepTelemetry
     from tl_dist.trace import Trace
 
-ROOT = "<root>"
-"""How spans and metrics name the outermost module (address ``''``): Prometheus treats an empty label as none."""
+# ROOT (schema.ROOT) names the outermost module (address ``''``) in spans and metrics: Prometheus treats an empty
+# label as none.
 
 SPAN_PHASES = ("forward", "backward")
 """Phases that get module spans: ``recompute`` (checkpointing) counts in the module's backward span, where it

@@ -26,18 +26,23 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
-from lightning.pytorch.utilities import rank_zero_warn
-from typing_extensions import override
+
+from tl_dist.errors import TlDistError, missing_extra
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.throughput import get_available_flops
+    from lightning.pytorch.utilities import rank_zero_warn
+    from typing_extensions import override
+except ImportError as exc:  # the tl_dist[lightning] extra is not installed
+    raise missing_extra("tl_dist.integrations.lightning", "lightning", exc) from exc
 
 import tl_dist as tl
-from tl_dist.errors import TlDistError
 from tl_dist.merge.draw import merged_source
 from tl_dist.options import check_options
 from tl_dist.sinks import check_sinks
-from tl_dist.store.sink import shard_path
+from tl_dist.store import shard_path
 from tl_dist.telemetry import summarize
 from tl_dist.views.draw import GRAPHVIZ_HINT
 

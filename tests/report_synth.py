@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from tl_dist.merge.graph import build
+from tl_dist.merge.build import build
 from tl_dist.merge.sources import TraceSource
 from tl_dist.schema import COLLECTIVE_FIELDS, EMPTY_VALUE, OP_FIELDS, STAT_FIELDS, empty_columns
 from tl_dist.trace import Trace
@@ -52,7 +52,7 @@ class _Builder:
 def synthetic_run(
     world_size: int = 64, steps: int = 20, layers: int = 16, *, straggler: int = 3, nan_at=None
 ):
-    """A merged run of ``world_size`` ranks x ``steps`` steps, built in memory (``merge.graph.build``).
+    """A merged run of ``world_size`` ranks x ``steps`` steps, built in memory (``merge.build.build``).
 
     Returns ``(MergedTrace, {(step, rank): Trace})``. ``nan_at=(step, rank)`` records a NaN in the gradient
     statistics of that rank's first ReLU at that step."""

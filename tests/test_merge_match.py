@@ -392,7 +392,7 @@ def test_progress_bar_and_multiple_steps(tmp_path, capsys):
 def test_traces_in_memory_merge_as_their_shards(tmp_path):
     # The in-memory reader (TraceSource, for tests and benchmarks) against the shard reader on the same traces:
     # a size mismatch, a root-module collective, async collectives and rank 1 cut short on another host.
-    from tl_dist.merge.graph import build
+    from tl_dist.merge.build import build
     from tl_dist.merge.sources import TraceSource
 
     s0 = [coll(source=A, is_async=True), coll(source=B, numel=4), coll(source=C, module="blocks.1")]

@@ -8,7 +8,7 @@ from merge_synth import coll, make_trace, write_run
 from torch import nn
 
 import tl_dist as tl
-from tl_dist.views.summary import NO_MODULE
+from tl_dist.schema import OUTSIDE
 
 
 class Twice(nn.Module):
@@ -59,10 +59,10 @@ def test_one_name_for_no_module(tmp_path):
     text = cap.trace.summary(top=10)
     modules = text.split("Per module")[1].split("Top")[0].splitlines()[3:]
     # The captured Linear is the root; mul and sum ran outside it.
-    assert [ln.split("  ")[0].strip() for ln in modules if ln] == ["<root>", NO_MODULE]
+    assert [ln.split("  ")[0].strip() for ln in modules if ln] == ["<root>", OUTSIDE]
     top = {ln.split()[1]: ln for ln in text.split("by time:")[1].splitlines()[3:] if ln.strip()}
-    assert NO_MODULE in top["mul_1"] and NO_MODULE in top["sum_1"] and "<root>" in top["addmm_1"]
+    assert OUTSIDE in top["mul_1"] and OUTSIDE in top["sum_1"] and "<root>" in top["addmm_1"]
     # A merged summary's finding names the op's module the same way (the synthetic ops run outside modules).
     write_run(tmp_path, [make_trace(0, [coll(numel=4)]), make_trace(1, [coll(numel=8)])])
     merged = tl.merge_ranks(tmp_path).summary()
-    assert f"all_reduce_1 seq 1 completed in {NO_MODULE} (train.py:all_reduce)" in merged
+    assert f"all_reduce_1 seq 1 completed in {OUTSIDE} (train.py:all_reduce)" in merged

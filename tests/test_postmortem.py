@@ -339,3 +339,42 @@ def _line(text: str, path: Path | None = None) -> int:
             if text in line and "_line(" not in line:
                 return n
     raise AssertionError(text)
+
+
+def test_a_snapshot_is_the_open_windows_trace_so_far_and_the_window_goes_on():
+    # What post-mortems write, asked of the capture through its public method (no Capture privates).
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    x = torch.randn(2, 3)
+    with torch.no_grad(), tl.capture() as cap:  # no autograd: no detach of relu's output
+        h = model[0](x)  # t, addmm: 2 ops
+        # Called inside the root module would leave it open; here the Linear call is already closed.
+        part = cap.snapshot()
+        model[1](h)
+    assert cap.snapshot() is None  # closed
+    assert [op.func for op in part] == ["t", "addmm"] and part.failed_op is None
+    assert len(cap.trace) == 3 and cap.trace[2].func == "relu"
+    assert [(c.type, [op.index for op in c.ops]) for c in part.module_calls()] == [("Linear", [0, 1])]
+    assert cap.window is None  # not armed
+
+
+def test_a_snapshot_ends_the_open_module_calls_at_the_current_op():
+    seen = {}
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)  # t, addmm
+            seen["part"] = tl_cap[0].snapshot()  # inside the root call, still open
+            return y.relu()
+
+    tl_cap, model, x = [], Outer(), torch.randn(2, 3)
+    with torch.no_grad(), tl.capture() as cap:  # no autograd: no detach of relu's output
+        tl_cap.append(cap)
+        model(x)
+    part = seen["part"]
+    root = part.module_calls("")[0]
+    assert len(part) == 2 and [op.func for op in root.ops] == ["t", "addmm"]  # ended at op 2 in the snapshot
+    assert [op.func for op in cap.trace.module_calls("")[0].ops] == ["t", "addmm", "relu"]  # the window's own

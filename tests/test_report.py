@@ -13,7 +13,7 @@ from test_views import Net
 import tl_dist as tl
 from tl_dist.cli import main
 from tl_dist.report.data import Run, bus_bandwidth
-from tl_dist.views.summary import NO_MODULE
+from tl_dist.schema import OUTSIDE
 
 pytest.importorskip("plotly", reason="the report needs the tl_dist[report] extra (plotly)")
 
@@ -57,7 +57,7 @@ def test_numbers(small_run):
         assert rows[f"layers.{k}"]["ops"] == 9 * len(traces)
     # The root holds every layer; mse_loss and the all_reduce ran outside every module.
     assert rows["<root>"]["ops"] == 36 * len(traces)
-    assert rows[NO_MODULE]["ops"] == 2 * len(traces)
+    assert rows[OUTSIDE]["ops"] == 2 * len(traces)
     # The straggler: rank 1 arrives last at the one all_reduce of each step; rank 0 waits for it.
     strag = run.stragglers()
     assert [(s["step"], s["rank"]) for s in strag if s["caused_wait_ns"] > 0] == [(0, 1), (1, 1)]
@@ -70,7 +70,7 @@ def test_numbers(small_run):
     )
     assert c0["bytes"] == 1048576 and c0["ns"] == duration
     assert c0["busbw"] == pytest.approx(1048576 / (duration / 1e9))
-    assert c0["module"] == NO_MODULE and t0.columns["label"][op] == "all_reduce_1"
+    assert c0["module"] == OUTSIDE and t0.columns["label"][op] == "all_reduce_1"
     first = run.statistics()["first_nonfinite"]
     assert (first["step"], first["rank"], first["label"], first["of"], first["module"]) == (
         1,
@@ -85,9 +85,12 @@ def test_numbers(small_run):
 
 
 def test_bus_bandwidth_follows_nccl_tests():
-    # 1 MB in 1 ms = 1 GB/s algorithm bandwidth; 8 ranks: all_reduce x 2*7/8, all_gather moves 8 MB x 7/8.
+    # 1 MB in 1 ms = 1 GB/s algorithm bandwidth; 8 ranks: all_reduce x 2*7/8, all_gather (and gather) of 1 MB
+    # per rank moves its 8 MB output x 7/8. The size passed is the larger buffer (telemetry.collective_bytes).
     assert bus_bandwidth("all_reduce", 10**6, 10**6, 8) == pytest.approx(1.75e9)
-    assert bus_bandwidth("all_gather", 10**6, 10**6, 8) == pytest.approx(7e9)
+    assert bus_bandwidth("all_gather", 8 * 10**6, 10**6, 8) == pytest.approx(7e9)
+    assert bus_bandwidth("gather", 8 * 10**6, 10**6, 8) == pytest.approx(7e9)
+    assert bus_bandwidth("scatter", 8 * 10**6, 10**6, 8) == pytest.approx(7e9)
     assert bus_bandwidth("broadcast", 10**6, 10**6, 8) == pytest.approx(1e9)
     assert bus_bandwidth("all_reduce", 10**6, -1, 8) == 0.0
 

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from merge_synth import coll, make_trace
 
-from tl_dist.merge.graph import build
+from tl_dist.merge.build import build
 from tl_dist.merge.sources import TraceSource
 
 # Pure computation (no I/O, no processes): many examples are cheap; no deadline on a shared 2-core machine.

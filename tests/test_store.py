@@ -339,3 +339,27 @@ def test_field_newer_than_the_shard_reads_as_unknown(good_shard):
     trace = tl.load(good_shard)
     assert trace.metadata["filled_columns"] == ["ops/flops"]
     assert set(trace.columns["flops"]) == {-1} and len(trace.columns["flops"]) == len(trace)
+
+
+def test_what_a_file_is_and_its_metadata_without_reading_tables(tmp_path):
+    from tl_dist.store import file_kind, read_metadata
+
+    trace = tl.trace(nn.Linear(3, 2), torch.randn(4, 3))
+    trace.metadata.update(rank=1, world_size=2, step=7)
+    tl.shard_path(tmp_path, 1, 7).parent.mkdir()
+    shard = trace.save(tl.shard_path(tmp_path, 1, 7))
+    assert file_kind(shard) == "shard"
+    meta = read_metadata(shard)
+    assert (meta["rank"], meta["world_size"], meta["step"]) == (1, 2, 7)
+    merged = tl.merge_ranks([shard], strict=False).save(tmp_path / "merged.h5")
+    assert file_kind(merged) == "merged"
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f.create_dataset("x", data=np.arange(3))
+    assert file_kind(foreign) == "other"
+    text = tmp_path / "notes.txt"
+    text.write_text("not hdf5")
+    with pytest.raises(tl.ShardFormatError, match=r"notes\.txt: not a readable HDF5 file"):
+        file_kind(text)
+    with pytest.raises(tl.ShardFormatError, match=r"foreign\.h5: no readable shard metadata"):
+        read_metadata(foreign)

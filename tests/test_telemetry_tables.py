@@ -407,3 +407,45 @@ def test_a_window_that_holds_only_the_backward_of_an_earlier_forward():
         ModuleRow("enc", "", 1, "backward", 0, 2, 42, 420, 12),
         ModuleRow("enc.0", "", 2, "backward", 0, 1, 40, 400, 8),
     )
+
+
+def test_the_report_and_telemetry_give_every_collective_kind_the_same_bus_bandwidth():
+    from tl_dist.report.data import Run
+
+    world = (0, 1, 2, 3)
+    # (func, in_numel, out_numel) of float32 (4 bytes) on 4 ranks, each 1000 ns; size = larger buffer.
+    kinds = [
+        ("all_reduce", 1000, 1000),  # 4000 B / 1 us = 4e9 B/s x 2(4-1)/4 = 6e9
+        ("all_gather", 250, 1000),  # 4000 B -> 4e9 x 3/4 = 3e9
+        ("reduce_scatter", 1000, 250),  # 3e9
+        ("all_to_all", 1000, 1000),  # 3e9
+        (
+            "gather",
+            250,
+            1000,
+        ),  # the gathering rank: 4000 B -> 3e9 (the report once said 1e9: factor 1, input)
+        ("scatter", 1000, 250),  # the scattering rank: 3e9
+        ("broadcast", 1000, 1000),  # factor 1: 4e9
+        ("reduce", 1000, 1000),  # 4e9
+        ("send", 1000, 0),  # 4e9
+    ]
+    rows = [
+        _coll(f, world, name=f, numel=(i, o), issue=10_000 * k, complete=10_000 * k + 1000) | {"bytes": 4 * i}
+        for k, (f, i, o) in enumerate(kinds)
+    ]
+    trace = _trace(collectives=rows)
+    expected = {
+        "all_reduce": 6e9,
+        "all_gather": 3e9,
+        "reduce_scatter": 3e9,
+        "all_to_all": 3e9,
+        "gather": 3e9,
+        "scatter": 3e9,
+        "broadcast": 4e9,
+        "reduce": 4e9,
+        "send": 4e9,
+    }
+    telemetry = {r.kind: r.busbw for r in summarize(trace).collectives}
+    report = {c["func"]: c["busbw"] for c in Run.of(trace).collectives()}
+    assert telemetry == pytest.approx(expected, rel=1e-12)
+    assert report == pytest.approx(expected, rel=1e-12)

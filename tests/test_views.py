@@ -6,9 +6,9 @@ from external import have
 from torch import nn
 
 import tl_dist as tl
-from tl_dist.schema import OP_FIELDS, field_names
+from tl_dist.schema import OP_FIELDS, OUTSIDE, field_names
 from tl_dist.views.draw import graph_source
-from tl_dist.views.summary import NO_MODULE, format_count, format_ns, module_rows
+from tl_dist.views.summary import format_count, format_ns, module_rows
 
 
 class Block(nn.Module):
@@ -101,9 +101,9 @@ def test_summary_counts_ops_outside_modules():
         y = layer(x)
         z = (y * 2).sum()
     rows = {r["address"]: r for r in module_rows(cap.trace)}
-    assert rows[NO_MODULE]["ops"] == 2  # mul, sum
+    assert rows[OUTSIDE]["ops"] == 2  # mul, sum
     assert rows[""]["ops"] == len(cap.trace) - 2 and rows[""]["type"] == "Linear"
-    assert NO_MODULE in cap.trace.summary()
+    assert OUTSIDE in cap.trace.summary()
     assert torch.equal(cap.trace["sum_1"].out, z)
 
 
@@ -161,7 +161,7 @@ def test_summary_module_called_twice_and_failed_trace():
         tl.trace(Boom(), torch.randn(3, 4))
     partial = err.value.tl_trace
     # The failing mm would have been op len(partial): the ops before it were recorded, it was not.
-    expected = f"failed at op {len(partial)} (mm in {NO_MODULE}): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+    expected = f"failed at op {len(partial)} (mm in {OUTSIDE}): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
     assert partial.summary().splitlines()[1].startswith(expected)
 
 
@@ -199,5 +199,5 @@ def test_summary_of_forward_and_backward():
     assert [t[i].func for i in outside if t[i].phase == "backward"] == ["ones_like", "detach", "expand"]
     assert t[outside[-4]].func == "sum"
     rows = {r["address"]: r for r in module_rows(t)}
-    assert rows[NO_MODULE]["ops"] == len(outside)
+    assert rows[OUTSIDE]["ops"] == len(outside)
     assert rows[""]["ops"] == len(t) - len(outside)

@@ -6,7 +6,10 @@ Example:
     >>> trace["relu_2"].out, trace.to_pandas(), trace.draw("graph.svg")
 """
 
-from . import telemetry
+from . import (
+    api,  # noqa: F401 (attaches the Trace and MergedTrace methods that reach views, store, report)
+    telemetry,
+)
 from .arm import arm, disarm, flush, should_capture, sink_stats
 from .capture import Capture, capture, trace
 from .causal import downstream, upstream
@@ -41,7 +44,7 @@ from .replay import Fork
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, Field
 from .selectors import Selector, func, in_module, label, module, where
 from .sinks import Sink, SinkStats
-from .store import ShardOptions, load
+from .store import ShardOptions, load, shard_path
 from .trace import Collective, ModuleCall, Op, Trace
 
 __all__ = [
@@ -93,6 +96,7 @@ __all__ = [
     "resample",
     "scale",
     "should_capture",
+    "shard_path",
     "sink_stats",
     "telemetry",
     "trace",

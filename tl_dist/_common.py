@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .schema import OP_FIELDS, field_names
+from .schema import OP_FIELDS, STAT_FIELDS, field_names
 
 # Attribute set on every op output during a capture: (capture token, op index, output position).
 TAG = "_tl_src"
@@ -18,6 +18,10 @@ TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 OWN_DIR = os.path.dirname(__file__) + os.sep
 # Position of each schema field in a recorder row (rows are tuples in ``schema.OP_FIELDS`` order).
 FIELD_INDEX = {name: i for i, name in enumerate(field_names(OP_FIELDS))}
+
+# Dtypes whose values statistics and non-finite checks look at; the stats table's value columns after op, of, at.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+STAT_NAMES = field_names(STAT_FIELDS)[3:]
 
 DTYPE_NAMES: dict[torch.dtype, str] = {}
 DEVICE_NAMES: dict[torch.device, str] = {}
@@ -75,20 +79,6 @@ def flat_outputs(out: Any) -> list[torch.Tensor]:
     return flat
 
 
-def fill_skeleton(value: Any, tensors: list, cursor: list[int]) -> Any:
-    """Rebuild a recorded argument (an item of ``replay[op][1]`` or a value of ``replay[op][2]``) with its
-    tensor slots -- the tensors in it, in the order ``Recorder.on_op`` gathered them: top level, then one list
-    level, args before kwargs -- replaced by ``tensors[cursor[0]:]``."""
-    if isinstance(value, torch.Tensor):
-        cursor[0] += 1
-        return tensors[cursor[0] - 1]
-    if type(value) is list or type(value) is tuple:
-        return type(value)(
-            fill_skeleton(v, tensors, cursor) if isinstance(v, torch.Tensor) else v for v in value
-        )
-    return value
-
-
 def storage_key(t: torch.Tensor) -> int | None:
     """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
     storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose
@@ -103,3 +93,14 @@ def storage_key(t: torch.Tensor) -> int | None:
 # Default tolerances of validate() for floating-point outputs (integer and bool outputs must match exactly).
 VALIDATE_ATOL = 1e-6
 VALIDATE_RTOL = 1e-5
+
+
+def attach(cls: type, methods: type) -> None:
+    """Set every attribute ``methods`` defines (functions, properties; not dunders) on ``cls``.
+
+    Example:
+        >>> attach(Trace, _TraceMethods)   # tl_dist.api: trace.to_pandas() runs _TraceMethods.to_pandas
+    """
+    for name, value in vars(methods).items():
+        if not (name.startswith("__") and name.endswith("__")):
+            setattr(cls, name, value)

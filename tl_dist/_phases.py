@@ -26,11 +26,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ._common import TORCH_DIR
+from .schema import PHASES  # noqa: F401 (old path)
 
 if TYPE_CHECKING:
     from ._recorder import Recorder
 
-PHASES = ("forward", "backward", "optimizer", "recompute")
 # Ops whose phase needs a second look (the recorder checks `func in SPECIAL` before calling `special`).
 SPECIAL = frozenset(
     {

@@ -34,8 +34,7 @@ from ._recorder import ACTIVE
 from ._stacks import frame_stack, traceback_stack
 from .options import CaptureOptions, check_options
 from .sinks import SinkStats, SinkWorker, check_sinks
-from .store.options import ShardOptions
-from .store.sink import ShardSink
+from .store import ShardOptions, ShardSink
 
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
 _DEFAULT_SHARD = ShardOptions()
@@ -322,30 +321,6 @@ def should_capture(step: int) -> bool:
 
 
 # -- post-mortem --------------------------------------------------------------------------------------------
-def _in_flight(frame: Any) -> dict[str, Any] | None:
-    """The op a signal interrupted: the Recorder.on_op frame on the interrupted stack, if any."""
-    from ._recorder import Recorder
-
-    code = Recorder.on_op.__code__
-    while frame is not None:
-        if frame.f_code is code:
-            local = frame.f_locals
-            info = local.get("info")
-            recorder = local.get("self")
-            if info is None or recorder is None:
-                return None
-            return {
-                "index": recorder.n_ops,
-                "func": info.func,
-                "aten": info.aten,
-                "module": recorder.modules.current_address,
-                "source": "",
-                "error": "in flight when the post-mortem was written",
-            }
-        frame = frame.f_back
-    return None
-
-
 def write_postmortem(reason: str, frame: Any = None) -> Path | None:
     """Write the open armed window's partial trace as an incomplete shard; None when no window is open.
 
@@ -358,9 +333,8 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
     if state is None or not ACTIVE or state.shard_sink is None:
         return None
     cap = ACTIVE[-1]
-    window = getattr(cap, "_window", None)
-    recorder = getattr(cap, "_recorder", None)
-    if window is None or recorder is None:
+    window = cap.window
+    if window is None:
         return None
     if frame is None or threading.get_ident() != window.thread:
         # From the watcher thread (or a handler on another thread): the window's thread's stack tells which
@@ -372,14 +346,9 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
         # The dispatch mode may still be active (we interrupted the window): the writer's own tensor ops
         # must not be recorded into the trace being written.
         with _disable_current_modes():
-            trace = cap._build_trace(output=None)
-            # A snapshot: the window may go on (SIGUSR1), so its module table is copied before the open
-            # calls are ended where the window stands now.
-            trace.module_table = {name: list(col) for name, col in trace.module_table.items()}
-            for row in recorder.modules.open_call_rows():
-                trace.module_table["end_op"][row] = recorder.n_ops
-            if trace.failed_op is None:
-                trace.failed_op = _in_flight(frame)
+            trace = cap.snapshot(frame)
+            if trace is None:
+                return None
             meta = window.metadata(complete=False, reason=reason)
             meta.update(frame_stack(frame))
             trace.metadata.update(meta)

@@ -16,15 +16,15 @@ import warnings
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _session
-from . import replay as replay_module
 from ._common import storage_key
 from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .errors import TlDistError
 from .options import CaptureOptions, check_options
-from .telemetry import module_name
+from .schema import module_name
 from .trace import Trace
 
 _OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph", "intervene")
@@ -164,6 +164,40 @@ class Capture:
         if self._window is not None:
             self._window.close(self, exc)
 
+    @property
+    def window(self) -> Any:
+        """The armed session's window this capture runs in (``tl.arm``'s ``Window``); None when not armed."""
+        return self._window
+
+    def snapshot(self, frame: Any = None) -> Trace | None:
+        """The trace of this capture so far, while it is still open, without ending it: what a post-mortem
+        writes (``tl.arm``'s signal handlers and hang watcher call it). Module calls still open end at the
+        current op; the op in flight on ``frame``'s stack (the window's thread, interrupted) becomes
+        ``failed_op``. None when the capture is not open.
+
+        Example:
+            >>> with tl.capture() as cap:
+            ...     y = model(x)
+            ...     partial = cap.snapshot()   # the window goes on
+            >>> len(partial) <= len(cap.trace)
+            True
+        """
+        rec = self._recorder
+        if rec is None or self not in ACTIVE:
+            return None
+        # The dispatch mode may be active (the window was interrupted): building the trace runs tensor ops
+        # (statistics) that must not be recorded into it.
+        with _disable_current_modes():
+            trace = self._build_trace(output=None)
+        # A snapshot: the window may go on (SIGUSR1), so its module table is copied before the open calls are
+        # ended where the window stands now.
+        trace.module_table = {name: list(col) for name, col in trace.module_table.items()}
+        for row in rec.modules.open_call_rows():
+            trace.module_table["end_op"][row] = rec.n_ops
+        if trace.failed_op is None:
+            trace.failed_op = _in_flight(frame)
+        return trace
+
     def _build_trace(self, output: Any, end_ns: int | None = None) -> Trace:
         rec = self._recorder
         modules = rec.modules
@@ -259,6 +293,28 @@ class Capture:
                 for pos, t in enumerate(outs):
                     if t is not None and storage_key(t) in persistent:
                         outs[pos] = t.clone()
+
+
+def _in_flight(frame: Any) -> dict[str, Any] | None:
+    """The op a signal interrupted: the Recorder.on_op frame on the interrupted stack, if any.\n\n    NB: it reads that frame's locals (``info``, ``self``): tracking the op in flight in the recorder would cost\n    every op two attribute writes on the hot path, for a post-mortem that rarely happens."""
+    code = Recorder.on_op.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            local = frame.f_locals
+            info = local.get("info")
+            recorder = local.get("self")
+            if info is None or recorder is None:
+                return None
+            return {
+                "index": recorder.n_ops,
+                "func": info.func,
+                "aten": info.aten,
+                "module": recorder.modules.current_address,
+                "source": "",
+                "error": "in flight when the post-mortem was written",
+            }
+        frame = frame.f_back
+    return None
 
 
 def capture(
@@ -384,7 +440,3 @@ def trace(
         output = model(*args, **(kwargs or {}))
     cap.trace.output = output
     return cap.trace
-
-
-# Fork.rerun runs the model through tl.trace; replay never imports capture.
-replay_module.RUNNERS.append(trace)

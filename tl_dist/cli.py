@@ -22,9 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import TlDistError
+from .errors import ShardFormatError, TlDistError
+from .merge import load_merged, merge_ranks
+from .schema import PHASES
+from .store import file_kind, load
 from .views.draw import DrawNote
-from .views.graph import PHASES
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
@@ -36,9 +38,6 @@ _FLAGS = {"strict=False": "--lenient"}
 def _open(path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: Any = None) -> Any:
     """A MergedTrace from a run directory or a merged ``.h5`` file (only ``steps`` / ``ranks`` when given); a
     Trace from one shard."""
-    from .merge import load_merged, merge_ranks
-    from .store import load
-
     p = Path(path)
     if p.is_dir():
         return merge_ranks(p, strict=strict, progress=progress, steps=steps, ranks=ranks)
@@ -46,13 +45,10 @@ def _open(path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: 
         raise TlDistError(
             f"{path}: no such file or directory (expected a run directory, a merged .h5 or a shard)"
         )
-    import h5py
-
     try:
-        with h5py.File(p, "r") as f:
-            merged = f.attrs.get("encoding-type") == "tl_dist.merged"
-    except OSError as exc:
-        raise TlDistError(f"{path}: not a readable HDF5 file: {exc}") from exc
+        merged = file_kind(p) == "merged"
+    except ShardFormatError as exc:
+        raise TlDistError(str(exc)) from exc
     if merged:
         return load_merged(p, steps=steps, ranks=ranks)
     if steps is not None or ranks is not None:
@@ -186,8 +182,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.command == "merge" and not hasattr(target, "findings"):
             # One shard merged: the other ranks of its world are reported as missing_rank findings.
-            from .merge import merge_ranks
-
             target = merge_ranks([args.path], strict=False, progress=progress)
         _run(args, target)
         sys.stdout.flush()

@@ -17,14 +17,12 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .errors import TlDistError
-
-if TYPE_CHECKING:
-    from .trace import Op, Trace
+from .trace import Op, Trace
 
 _COLUMNS = (
     "label",
@@ -178,8 +176,6 @@ def compare(a: Trace, b: Trace, *, first: bool = False, atol: float = 1e-6, rtol
 
 
 def _first(a: Trace, rows: Any) -> Op | None:
-    from .trace import Op
-
     for row in rows:
         if row[8] and row[1] >= 0:
             return Op(a, row[1])

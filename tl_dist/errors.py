@@ -36,3 +36,18 @@ class MissingToolError(TlDistError):
 class InterventionError(TlDistError, ValueError):
     """An edit (``tl.when``) cannot be applied: it changed the dtype, shape or device of an op's output, a patch
     source lacks the op, or autograd cannot differentiate it there. The message names the op."""
+
+
+def missing_extra(module: str, extra: str, exc: ImportError) -> ImportError:
+    """The ImportError an adapter raises when the install extra it needs is absent: names the adapter, what
+    failed to import and the ``pip install`` line that fixes it.
+
+    Example:
+        >>> try:
+        ...     import lightning.pytorch as pl
+        ... except ImportError as exc:
+        ...     raise missing_extra("tl_dist.integrations.lightning", "lightning", exc) from exc
+    """
+    return ImportError(
+        f"{module} needs the tl_dist[{extra}] extra ({exc}); install it: pip install 'tl_dist[{extra}]'"
+    )

@@ -31,20 +31,19 @@ from torch.utils._pytree import tree_unflatten
 
 from ._common import RowView, flat_outputs, storage_key
 from ._opinfo import mutated_tensors, op_info
+from ._reexec import fill_args
+from .capture import trace as tl_trace
 from .causal import selector_parts
 from .edits import Edit, Site, When, check_result, when
 from .errors import TlDistError
 from .schema import OP_FIELDS, field_names
 from .selectors import Selector, label, module
-from .validate import fill_args
 
 if TYPE_CHECKING:
     from .trace import Trace
 
 Tensor = torch.Tensor
 _NAMES = field_names(OP_FIELDS)
-# tl.trace, registered by tl_dist.capture when it loads (capture imports this module, never the reverse).
-RUNNERS: list[Callable[..., Any]] = []
 
 _HOST_READ = (
     "reads a value on the host (.item(), bool(tensor), an if on a tensor) that depends on the edits: the "
@@ -79,7 +78,7 @@ class Fork:
         self, model: torch.nn.Module, inputs: Any, *, kwargs: dict[str, Any] | None = None, save: Any = True
     ) -> Trace:
         """``tl.trace(model, inputs, intervene=<the fork's edits>)``: the model's code run again with the edits."""
-        return RUNNERS[0](model, inputs, kwargs=kwargs, save=save, intervene=list(self.interventions) or None)
+        return tl_trace(model, inputs, kwargs=kwargs, save=save, intervene=list(self.interventions) or None)
 
     def __repr__(self) -> str:
         return f"<Fork of a {len(self.trace)}-op trace, {len(self.interventions)} edit(s)>"

@@ -1,5 +1,8 @@
-"""The one list of per-op fields. It drives the in-memory trace table, ``to_pandas``, the HDF5 shard layout and
-the field reference in ``docs/``; nothing else spells the field list out again.
+"""The one list of per-op fields, and the vocabulary every layer shares. The field lists drive the in-memory trace
+table, ``to_pandas``, the HDF5 shard layout and the field reference in ``docs/``; nothing else spells the field
+list out again. The vocabulary (bottom of this module) is defined here once: :data:`PHASES`, :data:`OUTSIDE`
+and :data:`ROOT`, :func:`module_name` (how every view names an op's module), :func:`bus_factor` (nccl-tests'
+bus-bandwidth factors) and :data:`DEVICE_PEAK_FLOPS`.
 
 Kinds (how a value is held in memory -> how the store encodes it):
 
@@ -15,6 +18,7 @@ Kinds (how a value is held in memory -> how the store encodes it):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # Adding a field needs no new version: readers fill columns a file predates with the kind's "unknown" value
 # (see store.codecs.read_table). The version changes only when an existing field changes meaning or encoding.
@@ -175,6 +179,54 @@ def field_names(fields: tuple[Field, ...]) -> tuple[str, ...]:
 def empty_columns(fields: tuple[Field, ...]) -> dict[str, list]:
     """A fresh dict of empty lists, one per field, in schema order."""
     return {f.name: [] for f in fields}
+
+
+# -- vocabulary: the words every layer uses, defined once --------------------------------------------------
+PHASES = ("forward", "backward", "optimizer", "recompute")
+"""The phases of a training step an op can belong to (the ``phase`` field), in step order."""
+
+ROOT = "<root>"
+"""The module name of the root module (address ``""``)."""
+
+OUTSIDE = "(outside modules)"
+"""The module name of ops that ran outside every module call (a loss computed at top level, the optimizer)."""
+
+
+def module_name(op: Any) -> str:
+    """How views name an op's module (an op, a failed-op record or a row with ``module``/``module_stack``):
+    its address, ``<root>`` for the root module, :data:`OUTSIDE` outside every module."""
+    get = op.get if isinstance(op, dict) else lambda k, d=None: getattr(op, k, d)
+    if not get("module_stack", None):
+        return get("module", "") or OUTSIDE
+    return get("module", "") or ROOT
+
+
+# Dense peak FLOP/s by (device name fragment, dtype) from the vendors' data sheets (no sparsity). The first
+# fragment contained in torch.cuda.get_device_name() wins, so more specific names come first. float32 matmuls
+# use TF32 tensor cores when torch.backends.cuda.matmul.allow_tf32 is set ("tf32").
+DEVICE_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
+    "H100 PCIe": {"bfloat16": 756e12, "float16": 756e12, "tf32": 378e12, "float32": 51e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+    "L40S": {"bfloat16": 362e12, "float16": 362e12, "tf32": 183e12, "float32": 91.6e12},
+    "L4": {"bfloat16": 121e12, "float16": 121e12, "tf32": 60e12, "float32": 30.3e12},
+    "A10": {"bfloat16": 125e12, "float16": 125e12, "tf32": 62.5e12, "float32": 31.2e12},
+    "V100": {"float16": 125e12, "float32": 15.7e12},
+    "T4": {"float16": 65e12, "float32": 8.1e12},
+}
+
+_BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n}
+for _kind in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+    _BUS_FACTORS[_kind] = lambda n: (n - 1) / n
+
+
+def bus_factor(kind: str, group_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor of collective ``kind`` on ``group_size`` ranks (1 for broadcast, p2p)."""
+    if group_size < 1:
+        return 1.0
+    factor = _BUS_FACTORS.get(kind)
+    return factor(group_size) if factor is not None else 1.0
 
 
 def reference_markdown() -> str:

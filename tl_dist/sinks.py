@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from .telemetry import StepTelemetry, summarize
+
 if TYPE_CHECKING:
-    from .telemetry import StepTelemetry
     from .trace import Trace
 
 log = logging.getLogger("tl_dist")
@@ -174,8 +175,6 @@ class SinkWorker:
 
     # -- worker thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
-        from .telemetry import summarize
-
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

@@ -28,45 +28,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._phases import PHASES
-from .training import first_nonfinite, nonfinite_value
+from .schema import DEVICE_PEAK_FLOPS, OUTSIDE, PHASES, bus_factor, module_name  # noqa: F401 (old paths)
+from .trace import first_nonfinite, nonfinite_value
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from .trace import Trace
 
-OUTSIDE = "(outside modules)"
-"""The module name of ops that ran outside every module call (a loss computed at top level, the optimizer)."""
-
-
-def module_name(op: Any) -> str:
-    """How views name an op's module (an op, a failed-op record or a row with ``module``/``module_stack``):
-    its address, ``<root>`` for the root module, :data:`OUTSIDE` outside every module."""
-    get = op.get if isinstance(op, dict) else lambda k, d=None: getattr(op, k, d)
-    if not get("module_stack", None):
-        return get("module", "") or OUTSIDE
-    return get("module", "") or "<root>"
-
-
-# Dense peak FLOP/s by (device name fragment, dtype) from the vendors' data sheets (no sparsity). The first
-# fragment contained in torch.cuda.get_device_name() wins, so more specific names come first. float32 matmuls
-# use TF32 tensor cores when torch.backends.cuda.matmul.allow_tf32 is set ("tf32").
-DEVICE_PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
-    "H100 PCIe": {"bfloat16": 756e12, "float16": 756e12, "tf32": 378e12, "float32": 51e12},
-    "H100": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
-    "A100": {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
-    "L40S": {"bfloat16": 362e12, "float16": 362e12, "tf32": 183e12, "float32": 91.6e12},
-    "L4": {"bfloat16": 121e12, "float16": 121e12, "tf32": 60e12, "float32": 30.3e12},
-    "A10": {"bfloat16": 125e12, "float16": 125e12, "tf32": 62.5e12, "float32": 31.2e12},
-    "V100": {"float16": 125e12, "float32": 15.7e12},
-    "T4": {"float16": 65e12, "float32": 8.1e12},
-}
-
-_BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n}
-for _kind in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
-    _BUS_FACTORS[_kind] = lambda n: (n - 1) / n
 _ITEMSIZE: dict[str, int] = {}
 
 
@@ -197,14 +166,6 @@ def peak_flops_for(device_name: str, dtype: str) -> float | None:
                 return peaks["tf32"]
             return peaks.get(dtype)
     return None
-
-
-def bus_factor(kind: str, group_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor of collective ``kind`` on ``group_size`` ranks (1 for broadcast, p2p)."""
-    if group_size < 1:
-        return 1.0
-    factor = _BUS_FACTORS.get(kind)
-    return factor(group_size) if factor is not None else 1.0
 
 
 def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry:
@@ -368,6 +329,17 @@ def _itemsize(dtype: str) -> int:
     return size
 
 
+def collective_bytes(in_numel: int, out_numel: int, dtype: str) -> int:
+    """The size nccl-tests divides by the time for a collective's bandwidth: the larger of its input and output
+    buffers on this rank, in bytes (an all_gather's output, a reduce_scatter's input).
+
+    Example:
+        >>> collective_bytes(256, 1024, "float32")  # all_gather of 256 floats on 4 ranks
+        4096
+    """
+    return max(in_numel, out_numel) * _itemsize(dtype)
+
+
 def _collective_rows(table: dict[str, list]) -> tuple[tuple[CollectiveRow, ...], int]:
     groups: dict[tuple[str, str], list] = {}
     intervals: list[tuple[int, int]] = []
@@ -389,7 +361,7 @@ def _collective_rows(table: dict[str, list]) -> tuple[tuple[CollectiveRow, ...],
         acc[1] += 1
         if complete >= issue >= 0:
             acc[2] += 1
-            acc[3] += max(in_numel, out_numel) * _itemsize(dtype)
+            acc[3] += collective_bytes(in_numel, out_numel, dtype)
             acc[4] += complete - issue
             intervals.append((issue, complete))
     rows = []

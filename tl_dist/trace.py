@@ -10,19 +10,20 @@ Example:
 from __future__ import annotations
 
 import difflib
-import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from ._common import VALIDATE_ATOL, VALIDATE_RTOL
+from ._common import FLOAT_DTYPES as _FLOATS
+from ._common import STAT_NAMES as _STAT_NAMES
 from .errors import SchemaError, TlDistError
 from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .selectors import Selector
 
+Tensor = torch.Tensor
 _OP_FIELD_NAMES = frozenset(field_names(OP_FIELDS))
 _COLLECTIVE_FIELD_NAMES = frozenset(field_names(COLLECTIVE_FIELDS))
 
@@ -73,8 +74,6 @@ class Op:
     @property
     def stats(self) -> dict[str, dict[str, float]]:
         """Recorded statistics: ``{"out": {"mean": ..., "nan": ...}, "grad": {...}}`` (``stats=`` option)."""
-        from .training import op_stats
-
         return op_stats(self._trace, self.index)
 
     @property
@@ -369,92 +368,6 @@ class Trace:
 
         return [Collective(self, r) for r in range(len(self.collective_table["op"]))]
 
-    def collectives_frame(self) -> Any:
-        """One row per collective, one column per ``schema.COLLECTIVE_FIELDS`` field, plus the op's label.
-
-        Example:
-            >>> trace.collectives_frame().groupby("func").bytes.sum()
-        """
-        from .views.table import columns_frame
-
-        frame = columns_frame(self.collective_table, COLLECTIVE_FIELDS)
-        frame.insert(1, "label", [self.columns["label"][i] for i in self.collective_table["op"]])
-        return frame
-
-    def to_pandas(self) -> Any:
-        """One row per op, one column per schema field (``schema.OP_FIELDS``).
-
-        Example:
-            >>> trace.to_pandas().groupby("module").duration_ns.sum()
-        """
-        from .views.table import to_pandas
-
-        return to_pandas(self)
-
-    def summary(self, top: int = 10) -> str:
-        """A readable table: time and FLOPs per module, and the ``top`` most expensive ops."""
-        from .views.summary import summary
-
-        return summary(self, top=top)
-
-    def draw(
-        self,
-        path: str,
-        *,
-        format: str = "svg",
-        depth: int | str | None = "auto",
-        phase: str | Sequence[str] | None = None,
-        show_all: bool = False,
-        rolled: bool = False,
-    ) -> str:
-        """Render the op graph with Graphviz: ops in module clusters, input, parameter and output nodes;
-        modules deeper than ``depth`` collapse into one node (``"auto"``: when over ~300 nodes); ``phase``
-        keeps one phase's ops; bookkeeping ops (views, ``detach``, allocations) only with ``show_all``;
-        ``rolled=True`` draws a loop repeating the same ops once, with iteration counts on its edges.
-        Returns the written file's path (see :func:`tl_dist.views.draw.draw`).
-
-        Example:
-            >>> trace.draw("graph.svg", phase="forward")
-            >>> tl.trace(rnn, x).draw("rnn.svg", rolled=True)
-        """
-        from .views.draw import draw
-
-        return draw(self, path, format=format, depth=depth, phase=phase, show_all=show_all, rolled=rolled)
-
-    def to_perfetto(self, path: str | os.PathLike) -> str:
-        """Write a Chrome/Perfetto trace JSON: ops as slices on one track per phase inside their module calls'
-        slices, collectives in flight on their own track, and a counter of live activation bytes. Returns
-        ``path`` (see :mod:`tl_dist.views.perfetto`).
-
-        Example:
-            >>> trace.to_perfetto("step.json")   # open in https://ui.perfetto.dev
-        """
-        from .views.perfetto import to_perfetto
-
-        return to_perfetto(self, path)
-
-    def report(self, path: str | os.PathLike, *, title: str | None = None) -> str:
-        """Write a self-contained HTML report of this trace (time per module and op, collectives, statistics;
-        needs the ``tl_dist[report]`` extra). Returns ``path`` (see :func:`tl_dist.report.write_report`).
-
-        Example:
-            >>> tl.trace(model, x).report("model.html")
-        """
-        from .report import write_report
-
-        return write_report(self, path, title=title)
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write this trace as one HDF5 shard that ``tl.load`` and the ``tl-dist`` command read (no ``tl.arm``
-        needed); the file is replaced atomically. Returns ``path`` as a string.
-
-        Example:
-            >>> tl.trace(model, x).save("model.h5"); tl.load("model.h5")["relu_1"].out
-        """
-        from .store.writer import write_shard
-
-        return os.fspath(write_shard(self, path, complete=bool(self.metadata.get("complete", True))))
-
     def log_backward(self, loss: torch.Tensor) -> Trace:
         """Run ``loss.backward()`` and record its ops (and gradients, per ``save_grads``) into this trace.
 
@@ -490,43 +403,74 @@ class Trace:
             ...     model(x).sum().backward()
             >>> op = cap.trace.first_nonfinite(); op.label, op.module, op.source
         """
-        from .training import first_nonfinite
-
         if not isinstance(forward_inf, bool):
             raise ValueError(f"forward_inf must be a bool, got {forward_inf!r}")
         index = first_nonfinite(self, forward_inf=forward_inf)
         return None if index is None else Op(self, index)
 
-    def fork(self) -> Any:
-        """An editable copy of this trace's edits: ``.do(site, edit)`` adds one, ``.replay()`` re-executes the
-        recorded graph with them, ``.rerun(model, x)`` runs the model again with them (see
-        :class:`tl_dist.replay.Fork`).
 
-        Example:
-            >>> edited = trace.fork().do("relu_3", tl.zero_ablate()).replay()
-            >>> tl.compare(trace, edited, first=True).label
-            'relu_3'
-        """
-        from .replay import Fork
+# -- statistics queries (moved from training.py, which records the table) -------------------------------
+def nonfinite_value(of: str, phase: str, nan: int, inf: int, *, forward_inf: bool = False) -> bool:
+    """Whether a recorded value (a stats-table row: ``of``, the op's ``phase``, its NaN and Inf counts) counts as
+    non-finite: NaN always; +-Inf in gradients and in backward / optimizer ops' outputs (a backward op's output
+    is a gradient too), in forward values (recomputation repeats them) only with ``forward_inf``.
 
-        return Fork(self)
+    Example:
+        >>> nonfinite_value("out", "forward", nan=0, inf=12)  # an attention mask's -inf
+        False
+        >>> nonfinite_value("grad", "forward", nan=0, inf=1)
+        True
+    """
+    if nan:
+        return True
+    return bool(inf) and (forward_inf or not (of == "out" and phase in ("forward", "recompute")))
 
-    def replay(self) -> Trace:
-        """Re-execute the recorded forward ops from the saved inputs and parameters, without the model's code,
-        applying this trace's own edits: a new trace (``trace.fork().do(...).replay()`` adds edits first).
-        Ops it cannot replay are listed in ``.metadata["not_replayed"]`` (see :func:`tl_dist.replay.replay`).
 
-        Example:
-            >>> assert torch.equal(trace.replay().output, trace.output)
-        """
-        from .replay import replay
+def first_nonfinite(trace: Trace, *, forward_inf: bool = False) -> int | None:
+    """Index of the first op, in the order values were computed, whose output or gradient held a non-finite
+    value; None if none did. NaN counts everywhere, +-Inf in gradients (and in backward and optimizer ops'
+    outputs); +-Inf in forward values only with
+    ``forward_inf`` (attention masks fill scores with -inf on purpose: GPT-2's sdpa mask, T5's position
+    buckets)."""
+    table = trace.stats_table
+    if table["op"]:
+        best: tuple[int, int] | None = None
+        phases = trace.columns["phase"]
+        for op, of, at, nan, inf in zip(table["op"], table["of"], table["at"], table["nan"], table["inf"]):
+            if nonfinite_value(of, phases[op], nan, inf, forward_inf=forward_inf) and (
+                best is None or at < best[0]
+            ):
+                best = (at, op)
+        return None if best is None else best[1]
+    if not trace.saved and not trace.grads:
+        raise TlDistError(
+            "first_nonfinite needs values to inspect: capture with stats=True (cheap) or save=/save_grads="
+        )
+    # No statistics: inspect saved outputs in op order, then saved gradients (computed later, in backward).
+    for index in sorted(trace.saved):
+        if any(_nonfinite(t, inf=forward_inf) for t in trace.saved[index]):
+            return index
+    for index in sorted(trace.grads, reverse=True):  # backward visits the last forward op first
+        if any(_nonfinite(t, inf=True) for t in trace.grads[index]):
+            return index
+    return None
 
-        return replay(self, self.interventions)
 
-    def validate(
-        self, *, raise_on_mismatch: bool = False, atol: float = VALIDATE_ATOL, rtol: float = VALIDATE_RTOL
-    ) -> Any:
-        """Re-execute every saved op from its parents' saved outputs and check it reproduces its saved output."""
-        from .validate import validate
+def _nonfinite(t: Tensor | None, *, inf: bool) -> bool:
+    if t is None or t.dtype not in _FLOATS:
+        return False
+    return not bool(torch.isfinite(t).all()) if inf else bool(torch.isnan(t).any())
 
-        return validate(self, raise_on_mismatch=raise_on_mismatch, atol=atol, rtol=rtol)
+
+def op_stats(trace: Trace, index: int) -> dict[str, dict[str, float]]:
+    """``{"out": {...}, "grad": {...}}`` for op ``index`` (keys present only when recorded)."""
+    table = trace.stats_table
+    ops = table["op"]
+    # op -> rows, built once per table (log_backward replaces the table, so the cache key is the list).
+    cached = getattr(trace, "_stats_rows", None)
+    if cached is None or cached[0] is not ops or cached[1] != len(ops):
+        rows: dict[int, list[int]] = {}
+        for k, op in enumerate(ops):
+            rows.setdefault(op, []).append(k)
+        cached = trace._stats_rows = (ops, len(ops), rows)
+    return {table["of"][k]: {name: table[name][k] for name in _STAT_NAMES} for k in cached[2].get(index, ())}

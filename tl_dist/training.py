@@ -29,19 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._common import FLOAT_DTYPES as _FLOATS
+from ._common import STAT_NAMES as _STAT_NAMES
 from ._common import RowView
-from .errors import TlDistError
 from .schema import OP_FIELDS, STAT_FIELDS, empty_columns, field_names
+from .trace import first_nonfinite, nonfinite_value, op_stats  # noqa: F401 (moved to trace; old path)
 
 if TYPE_CHECKING:
     from ._recorder import Recorder
-    from .trace import Trace
 
 Tensor = torch.Tensor
 _KEY = "_tl_src"  # key in an autograd node's metadata: (capture token, forward op index)
 _current_node = torch._C._current_autograd_node
-_STAT_NAMES = field_names(STAT_FIELDS)[3:]  # the value columns after op, of, at
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KIND = field_names(OP_FIELDS).index("kind")
 _PHASE = field_names(OP_FIELDS).index("phase")
 _FUNC = field_names(OP_FIELDS).index("func")
@@ -362,70 +361,3 @@ class TrainingState:
                     name = names.get(id(p))
                     if name is not None and (wanted is None or name in wanted):
                         self.param_grads[name] = p.grad.detach().clone()
-
-
-# -- trace-side API (the Trace methods call these; this module never imports trace or capture) ---------
-def nonfinite_value(of: str, phase: str, nan: int, inf: int, *, forward_inf: bool = False) -> bool:
-    """Whether a recorded value (a stats-table row: ``of``, the op's ``phase``, its NaN and Inf counts) counts as
-    non-finite: NaN always; +-Inf in gradients and in backward / optimizer ops' outputs (a backward op's output
-    is a gradient too), in forward values (recomputation repeats them) only with ``forward_inf``.
-
-    Example:
-        >>> nonfinite_value("out", "forward", nan=0, inf=12)  # an attention mask's -inf
-        False
-        >>> nonfinite_value("grad", "forward", nan=0, inf=1)
-        True
-    """
-    if nan:
-        return True
-    return bool(inf) and (forward_inf or not (of == "out" and phase in ("forward", "recompute")))
-
-
-def first_nonfinite(trace: Trace, *, forward_inf: bool = False) -> int | None:
-    """Index of the first op, in the order values were computed, whose output or gradient held a non-finite
-    value; None if none did. NaN counts everywhere, +-Inf in gradients (and in backward and optimizer ops'
-    outputs); +-Inf in forward values only with
-    ``forward_inf`` (attention masks fill scores with -inf on purpose: GPT-2's sdpa mask, T5's position
-    buckets)."""
-    table = trace.stats_table
-    if table["op"]:
-        best: tuple[int, int] | None = None
-        phases = trace.columns["phase"]
-        for op, of, at, nan, inf in zip(table["op"], table["of"], table["at"], table["nan"], table["inf"]):
-            if nonfinite_value(of, phases[op], nan, inf, forward_inf=forward_inf) and (
-                best is None or at < best[0]
-            ):
-                best = (at, op)
-        return None if best is None else best[1]
-    if not trace.saved and not trace.grads:
-        raise TlDistError(
-            "first_nonfinite needs values to inspect: capture with stats=True (cheap) or save=/save_grads="
-        )
-    # No statistics: inspect saved outputs in op order, then saved gradients (computed later, in backward).
-    for index in sorted(trace.saved):
-        if any(_nonfinite(t, inf=forward_inf) for t in trace.saved[index]):
-            return index
-    for index in sorted(trace.grads, reverse=True):  # backward visits the last forward op first
-        if any(_nonfinite(t, inf=True) for t in trace.grads[index]):
-            return index
-    return None
-
-
-def _nonfinite(t: Tensor | None, *, inf: bool) -> bool:
-    if t is None or t.dtype not in _FLOATS:
-        return False
-    return not bool(torch.isfinite(t).all()) if inf else bool(torch.isnan(t).any())
-
-
-def op_stats(trace: Trace, index: int) -> dict[str, dict[str, float]]:
-    """``{"out": {...}, "grad": {...}}`` for op ``index`` (keys present only when recorded)."""
-    table = trace.stats_table
-    ops = table["op"]
-    # op -> rows, built once per table (log_backward replaces the table, so the cache key is the list).
-    cached = getattr(trace, "_stats_rows", None)
-    if cached is None or cached[0] is not ops or cached[1] != len(ops):
-        rows: dict[int, list[int]] = {}
-        for k, op in enumerate(ops):
-            rows.setdefault(op, []).append(k)
-        cached = trace._stats_rows = (ops, len(ops), rows)
-    return {table["of"][k]: {name: table[name][k] for name in _STAT_NAMES} for k in cached[2].get(index, ())}

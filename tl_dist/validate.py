@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._common import VALIDATE_ATOL, VALIDATE_RTOL, fill_skeleton, flat_outputs
+from ._common import VALIDATE_ATOL, VALIDATE_RTOL, flat_outputs
 from ._opinfo import mutated_tensors, op_info
+from ._reexec import fill_args
 from .errors import TlDistError, ValidationError
 
 if TYPE_CHECKING:
@@ -106,14 +107,6 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float
     if torch.equal(res, exp):
         return None
     return float((res.to(torch.float64) - exp.to(torch.float64)).abs().max()), ""
-
-
-def fill_args(skeleton_args: tuple, skeleton_kwargs: dict, tensors: list) -> tuple[tuple, dict]:
-    # One cursor across args then kwargs: the recorder numbered tensor slots in that order.
-    cursor = [0]
-    args = tuple([fill_skeleton(a, tensors, cursor) for a in skeleton_args])
-    kwargs = {k: fill_skeleton(v, tensors, cursor) for k, v in skeleton_kwargs.items()}
-    return args, kwargs
 
 
 def _skip_reason(info: Any, expected: list | None) -> str | None:

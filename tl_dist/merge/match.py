@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any, NamedTuple
 
-from ..telemetry import module_name
+from ..schema import module_name
 
 P2P_FUNCS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "recv_any_source": "recv"}
 VERDICTS = (

@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import h5py
-
-from .._files import replacing
 from ..errors import SelectionError, ShardFormatError
-from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION
-from ..store.codecs import ShardOptions, write_table
+from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS
+from ..store import read_merged, write_merged
 from .sources import GivenPaths, MergedFileSource, check_subset
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
-
-ENCODING = "tl_dist.merged"
-ENCODING_VERSION = "1"
 
 
 def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
@@ -41,31 +35,33 @@ def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
     path."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path, got {type(path).__name__}")
-    path = os.fspath(path)
-    options = ShardOptions()
-    with replacing(path) as tmp, h5py.File(tmp, "w") as root:
-        root.attrs["encoding-type"] = ENCODING
-        root.attrs["encoding-version"] = ENCODING_VERSION
-        root.attrs["schema_version"] = SCHEMA_VERSION
-        root.attrs["world_size"] = g.world_size
-        root.attrs["shard_errors"] = json.dumps({f"{s}:{r}": e for (s, r), e in g.shard_errors.items()})
-        root.attrs["expected"] = json.dumps(g.expected_ranks)
-        root.attrs["written"] = json.dumps({str(r): s for r, s in g.written.items()})
-        if g.given is not None:
-            root.attrs["given"] = g.given.to_json()
-        shards = root.create_group("shards")
+    attrs = {
+        "world_size": g.world_size,
+        "shard_errors": json.dumps({f"{s}:{r}": e for (s, r), e in g.shard_errors.items()}),
+        "expected": json.dumps(g.expected_ranks),
+        "written": json.dumps({str(r): s for r, s in g.written.items()}),
+    }
+    if g.given is not None:
+        attrs["given"] = g.given.to_json()
+
+    def groups() -> Iterator[tuple[str, dict[str, Any], list]]:
         for (step, rank), trace in g.iter_traces():
-            grp = shards.create_group(f"s{step}_r{rank}")
-            grp.attrs["step"] = step
-            grp.attrs["rank"] = rank
             meta = dict(trace.metadata)
             meta["complete"] = (step, rank) not in g.incomplete
-            grp.attrs["metadata"] = json.dumps(meta, default=str)
-            grp.attrs["failed_op"] = json.dumps(trace.failed_op, default=str)
-            write_table(grp, "ops", OP_FIELDS, trace.columns, options)
-            write_table(grp, "modules", MODULE_CALL_FIELDS, trace.module_table, options)
-            write_table(grp, "collectives", COLLECTIVE_FIELDS, trace.collective_table, options)
-    return path
+            group_attrs = {
+                "step": step,
+                "rank": rank,
+                "metadata": json.dumps(meta, default=str),
+                "failed_op": json.dumps(trace.failed_op, default=str),
+            }
+            tables = [
+                ("ops", OP_FIELDS, trace.columns),
+                ("modules", MODULE_CALL_FIELDS, trace.module_table),
+                ("collectives", COLLECTIVE_FIELDS, trace.collective_table),
+            ]
+            yield f"s{step}_r{rank}", group_attrs, tables
+
+    return write_merged(path, attrs, groups())
 
 
 def open_merged(
@@ -83,37 +79,17 @@ def open_merged(
         raise ValueError(f"path must be a file path, got {type(path).__name__}")
     want_steps, want_ranks = check_subset(steps, "steps"), check_subset(ranks, "ranks")
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ShardFormatError(f"{path}: no such merged-trace file")
+    attrs, group_attrs = read_merged(path)
     try:
-        root = h5py.File(path, "r")
-    except OSError as exc:
-        raise ShardFormatError(f"{path}: not a readable HDF5 file: {exc}") from exc
-    try:
-        with root:
-            if root.attrs.get("encoding-type") != ENCODING:
-                raise ShardFormatError(
-                    f"{path}: not a merged trace (encoding-type {root.attrs.get('encoding-type')!r}, "
-                    f"expected {ENCODING!r}); open shards with tl.load or merge them with tl.merge_ranks"
-                )
-            version = int(root.attrs.get("schema_version", -1))
-            if version > SCHEMA_VERSION:
-                raise ShardFormatError(f"{path}: schema version {version} is newer than {SCHEMA_VERSION}")
-            world_size = int(root.attrs["world_size"])
-            errors = {
-                (int(k.split(":")[0]), int(k.split(":")[1])): v
-                for k, v in json.loads(root.attrs["shard_errors"]).items()
-            }
-            expected = (
-                json.loads(root.attrs["expected"]) if "expected" in root.attrs else list(range(world_size))
-            )
-            written = {int(r): s for r, s in json.loads(root.attrs.get("written", "{}")).items()}
-            given = GivenPaths.from_json(root.attrs["given"]) if "given" in root.attrs else None
-            groups = {
-                (int(g.attrs["step"]), int(g.attrs["rank"])): name for name, g in root["shards"].items()
-            }
-    except ShardFormatError:
-        raise
+        world_size = int(attrs["world_size"])
+        errors = {
+            (int(k.split(":")[0]), int(k.split(":")[1])): v
+            for k, v in json.loads(attrs["shard_errors"]).items()
+        }
+        expected = json.loads(attrs["expected"]) if "expected" in attrs else list(range(world_size))
+        written = {int(r): s for r, s in json.loads(attrs.get("written", "{}")).items()}
+        given = GivenPaths.from_json(attrs["given"]) if "given" in attrs else None
+        groups = {(int(a["step"]), int(a["rank"])): name for name, a in group_attrs.items()}
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a format problem of this file
         raise ShardFormatError(f"{path}: corrupt merged-trace file: {type(exc).__name__}: {exc}") from exc
 

@@ -16,20 +16,26 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import MergeError, ShardFormatError
-from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
-from ..telemetry import module_name
+from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, module_name
+from ..store import (
+    ARRAY_DTYPES,
+    load,
+    load_columns,
+    open_group,
+    open_shard,
+    ragged_lengths,
+    read_arrays,
+    read_ragged_rows,
+    read_table,
+)
+from ..trace import Trace
 from .match import Entry
 from .timing import local_breakdown
-
-if TYPE_CHECKING:
-    import h5py
-
-    from ..trace import Trace
 
 _SHARD_RE = re.compile(r"rank(\d+)[/\\]step(\d+)\.h5$")
 
@@ -235,11 +241,9 @@ class _Tables:
 
 
 def read_rank(
-    root: h5py.Group, metadata: dict, failed_op: Any, strings: list[str] | None, names: Interner, key: tuple
+    root: Any, metadata: dict, failed_op: Any, strings: list[str] | None, names: Interner, key: tuple
 ) -> RankData:
     """Read one shard's (or merged-file group's) tables into a :class:`RankData`. ``key``: (step, rank)."""
-    from ..store.codecs import read_arrays
-
     n, ops, op_categories = read_arrays(root, "ops", _OP_FIELDS)
     m, ct, ct_categories = read_arrays(root, "collectives", _COLL_FIELDS)
     groups = _groups(root["collectives"], ct["group_name"]) if m else []
@@ -249,7 +253,6 @@ def read_rank(
 
 def trace_rank(trace: Trace, names: Interner, key: tuple) -> RankData:
     """:func:`read_rank` of a trace in memory: its columns turned into the arrays a shard reads as."""
-    from ..store.codecs import _ARRAY_DTYPES
 
     def arrays(columns: dict[str, list], fields: tuple) -> tuple[int, dict, dict]:
         n = len(columns[fields[0].name])
@@ -261,7 +264,7 @@ def trace_rank(trace: Trace, names: Interner, key: tuple) -> RankData:
                 categories[f.name], codes = np.unique(np.array(values, dtype=object), return_inverse=True)
                 out[f.name] = codes.reshape(-1).astype(np.int32)
             else:
-                out[f.name] = np.array(values, dtype=_ARRAY_DTYPES[f.kind]).reshape(n)
+                out[f.name] = np.array(values, dtype=ARRAY_DTYPES[f.kind]).reshape(n)
         return n, out, categories
 
     n, ops, op_categories = arrays(trace.columns, _OP_FIELDS)
@@ -349,35 +352,24 @@ def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, 
     return data
 
 
-def _in_module(ops: h5py.Group, n: int) -> np.ndarray | None:
+def _in_module(ops: Any, n: int) -> np.ndarray | None:
     """Per op whether it ran inside a module call (a non-empty ``module_stack``), from that column's offsets
     alone; None when the shard has no such column."""
-    import h5py
-
-    from ..store.codecs import _read_dataset
-
     if not n:
         return np.zeros(0, dtype=bool)
-    node = ops.get(_STACK_FIELD.name)
-    offsets = _read_dataset(node, "offsets") if isinstance(node, h5py.Group) else None
-    if offsets is None or len(offsets) != n + 1:
+    lengths = ragged_lengths(ops, _STACK_FIELD.name)
+    if lengths is None or len(lengths) != n:
         return None
-    return np.diff(offsets) > 0
+    return lengths > 0
 
 
-def _groups(collectives: h5py.Group, group_names: np.ndarray) -> list[tuple[int, ...]]:
+def _groups(collectives: Any, group_names: np.ndarray) -> list[tuple[int, ...]]:
     """The group_ranks column as tuples, one object per process group. Within a process a group's name names
     its members, so only the first row of each (name, size) is read: a world group of 1,024 ranks on 500 rows
     would otherwise be half a million values to decompress per shard, and O(ranks^2) for the merge."""
-    import h5py
-
-    from ..store.codecs import _read_dataset, read_ragged_rows
-
-    node = collectives[_GROUP_FIELD.name]
-    offsets = _read_dataset(node, "offsets") if isinstance(node, h5py.Group) else None
-    if offsets is None or len(offsets) != len(group_names) + 1:
+    sizes = ragged_lengths(collectives, _GROUP_FIELD.name)
+    if sizes is None or len(sizes) != len(group_names):
         raise ValueError("collectives/group_ranks: offsets missing or of the wrong length")
-    sizes = np.diff(offsets)
     key = group_names.astype(np.int64) * (int(sizes.max(initial=0)) + 1) + sizes
     distinct, first, which = np.unique(key, return_index=True, return_inverse=True)
     _, groups = read_ragged_rows(collectives, _GROUP_FIELD, first.tolist())
@@ -395,8 +387,6 @@ class ShardSource:
 
     def read(self, key: tuple[int, int], names: Interner) -> RankData:
         """Raises ShardFormatError (unreadable, names the file) or MergeError (rank/step disagree with its path)."""
-        from ..store.hdf5 import open_shard
-
         ref = self.refs[key]
         with open_shard(ref.path, raw_strings=True) as (root, metadata, failed_op, strings):
             for field, named in (("rank", ref.rank), ("step", ref.step)):
@@ -410,8 +400,6 @@ class ShardSource:
     def trace(self, key: tuple[int, int], fields: Iterable[str] | None = None) -> Trace:
         """The full trace of one shard (saved tensors read lazily, on first access); with ``fields``, only those
         op columns (``store.hdf5.load_columns``)."""
-        from ..store.hdf5 import load, load_columns
-
         path = self.refs[key].path
         return load(path) if fields is None else load_columns(path, fields)
 
@@ -426,16 +414,9 @@ class MergedFileSource:
     def name(self, key: tuple[int, int]) -> str:
         return f"{self.path}:/shards/{self.groups[key]}"
 
-    def _open(self, key: tuple[int, int]) -> Any:
-        import h5py
-
-        f = h5py.File(self.path, "r")
-        return f, f["shards"][self.groups[key]]
-
     def read(self, key: tuple[int, int], names: Interner) -> RankData:
-        f, grp = self._open(key)
         try:
-            with f:
+            with open_group(self.path, self.groups[key]) as grp:
                 meta = json.loads(grp.attrs["metadata"])
                 return read_rank(grp, meta, json.loads(grp.attrs["failed_op"]), None, names, key)
         except (MergeError, ShardFormatError):
@@ -445,12 +426,7 @@ class MergedFileSource:
 
     def trace(self, key: tuple[int, int], fields: Iterable[str] | None = None) -> Trace:
         """The stored tables of one (step, rank) as a trace (all its op columns: ``fields`` is not needed)."""
-        from ..schema import MODULE_CALL_FIELDS
-        from ..store.codecs import read_table
-        from ..trace import Trace
-
-        f, grp = self._open(key)
-        with f:
+        with open_group(self.path, self.groups[key]) as grp:
             return Trace(
                 read_table(grp, "ops", OP_FIELDS),
                 read_table(grp, "modules", MODULE_CALL_FIELDS),

@@ -122,12 +122,62 @@ class StepResult:
     breakdown_rows: list[dict[str, Any]] = field(default_factory=list)
 
 
+COLLECTIVE_COLUMNS = (
+    "step",
+    "group",
+    "group_name",
+    "seq",
+    "func",
+    "verdict",
+    "ranks",
+    "missing",
+    "absent",
+    "dtype",
+    "bytes",
+    "start_ns",
+    "skew_ns",
+    "duration_ns",
+    "last_rank",
+    "uncertainty_ns",
+    "label",
+    "module",
+    "source",
+    "detail",
+)
+
+
+def collective_row(j: Joined, timing: StepTiming, k: int) -> tuple:
+    """One row of ``g.collectives`` (``COLLECTIVE_COLUMNS``): joined collective ``k`` of a step and its timing."""
+    entries = list(j.entries.values())
+    first = entries[0]
+    return (
+        j.step,
+        j.group,
+        j.group_name,
+        j.seq,
+        j.func,
+        j.verdict,
+        tuple(sorted(j.entries)),
+        j.missing,
+        j.absent,
+        "/".join(sorted({e.dtype for e in entries})),
+        max(e.nbytes for e in entries),
+        int(timing.start[k]),
+        int(timing.skew[k]),
+        int(timing.duration[k]),
+        int(timing.last_rank[k]),
+        int(timing.uncertainty[k]),
+        first.label,
+        first.module,
+        first.source,
+        j.detail,
+    )
+
+
 def analyse_step(
     step: int, data: dict[int, RankData], absent: set[int], run: RunFacts
 ) -> tuple[StepResult, list[Joined], StepTiming]:
     """Everything the merge computes for one step; also returns its joined collectives and their timing."""
-    from .views import collective_row
-
     joined, found = join_step(step, data, absent)
     findings = shard_findings(step, data, absent, run)
     members = Members.of(joined)

@@ -4,64 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..schema import OP_FIELDS
-from ..views.summary import NO_MODULE, timing_caveat
-from .match import Joined
-from .timing import StepTiming
+from ..schema import OP_FIELDS, OUTSIDE
+from ..views.summary import timing_caveat
+from .steps import COLLECTIVE_COLUMNS, collective_row  # noqa: F401 (moved to steps; old path)
 
 if TYPE_CHECKING:
     from .graph import MergedTrace
-
-COLLECTIVE_COLUMNS = (
-    "step",
-    "group",
-    "group_name",
-    "seq",
-    "func",
-    "verdict",
-    "ranks",
-    "missing",
-    "absent",
-    "dtype",
-    "bytes",
-    "start_ns",
-    "skew_ns",
-    "duration_ns",
-    "last_rank",
-    "uncertainty_ns",
-    "label",
-    "module",
-    "source",
-    "detail",
-)
-
-
-def collective_row(j: Joined, timing: StepTiming, k: int) -> tuple:
-    """One row of ``g.collectives`` (``COLLECTIVE_COLUMNS``): joined collective ``k`` of a step and its timing."""
-    entries = list(j.entries.values())
-    first = entries[0]
-    return (
-        j.step,
-        j.group,
-        j.group_name,
-        j.seq,
-        j.func,
-        j.verdict,
-        tuple(sorted(j.entries)),
-        j.missing,
-        j.absent,
-        "/".join(sorted({e.dtype for e in entries})),
-        max(e.nbytes for e in entries),
-        int(timing.start[k]),
-        int(timing.skew[k]),
-        int(timing.duration[k]),
-        int(timing.last_rank[k]),
-        int(timing.uncertainty[k]),
-        first.label,
-        first.module,
-        first.source,
-        j.detail,
-    )
 
 
 def collectives_frame(rows: list[tuple]) -> Any:
@@ -189,14 +137,14 @@ def _where_lines(f: Any) -> list[str]:
         if w.get("absent"):
             last = w.get("last_label")
             line = f"      rank {r}: did not issue it" + (
-                f"; last op {last} in {w.get('last_module') or NO_MODULE} ({w.get('last_source')})"
+                f"; last op {last} in {w.get('last_module') or OUTSIDE} ({w.get('last_source')})"
                 if last
                 else ""
             )
         else:
             line = (
                 f"      rank {r}: {w['label']} seq {w['seq']} {w['state']} in "
-                f"{w['module'] or NO_MODULE} ({w['source'] or 'no source'})"
+                f"{w['module'] or OUTSIDE} ({w['source'] or 'no source'})"
             )
         if w.get("stack_at"):
             line += f"; thread at {w['stack_at']}"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from .._files import replacing
 from .data import Run
+from .page import Page
 
 if TYPE_CHECKING:
     from ..merge.graph import MergedTrace
@@ -45,8 +46,6 @@ def write_report(source: MergedTrace | Trace, path: str | os.PathLike, *, title:
         >>> write_report(tl.merge_ranks("runs/job42"), "job42.html")
         'job42.html'
     """
-    from .page import Page
-
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     if title is not None and not isinstance(title, str):

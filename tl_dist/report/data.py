@@ -18,40 +18,41 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import member_waits, step_timing, trace_breakdown
-from ..views.graph import PHASES, home_calls
-from ..views.summary import NO_MODULE
+from ..schema import OUTSIDE, PHASES, bus_factor, module_name
+from ..telemetry import collective_bytes
+from ..views.graph import home_calls
 
 if TYPE_CHECKING:
     from ..merge.graph import MergedTrace
     from ..trace import Trace
 
-# nccl-tests' bus bandwidth: the algorithm bandwidth times what each kind moves over the slowest link.
-_BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-}
 TOP_OPS = 25
 MAX_COLLECTIVE_ROWS = 400
 MAX_HEATMAP_COLUMNS = 1500
 
 
-def bus_bandwidth(func: str, nbytes: int, duration_ns: int, group_size: int) -> float:
-    """Bytes per second on the bus (nccl-tests' busbw): size / time x the kind's factor; 0 when unknown.
-    ``nbytes`` is one rank's input; all_gather moves its output (input x group size)."""
-    if duration_ns <= 0 or nbytes <= 0 or group_size < 1:
+def bus_bandwidth(func: str, size: int, duration_ns: int, group_size: int) -> float:
+    """Bytes per second on the bus (nccl-tests' busbw, as :mod:`tl_dist.telemetry` defines it): ``size`` (the
+    larger buffer, :func:`~tl_dist.telemetry.collective_bytes`) / time x ``schema.bus_factor``; 0 when unknown.
+
+    Example:
+        >>> bus_bandwidth("all_reduce", 1000, 1000, 4)   # 1 GB/s x 2(4-1)/4
+        1500000000.0
+    """
+    if duration_ns <= 0 or size <= 0 or group_size < 1:
         return 0.0
-    size = nbytes * group_size if func == "all_gather" else nbytes
-    factor = _BUS_FACTOR.get(func, lambda n: 1.0)(group_size) if group_size > 1 else 1.0
-    return size / (duration_ns / 1e9) * factor
+    return size / (duration_ns / 1e9) * bus_factor(func, group_size)
 
 
-def module_name(address: str | None) -> str:
-    """The report's name of a module address: ``<root>`` for the root, ``NO_MODULE`` outside every module."""
-    if address is None:
-        return NO_MODULE
-    return address or "<root>"
+def _input_size(func: str, nbytes: int, group_size: int) -> int:
+    """The larger buffer of a joined collective from its members' largest input (``g.collectives`` keeps no
+    output sizes): all_gather and gather receive their input from every rank (the gathering rank's figure)."""
+    return nbytes * group_size if func in ("all_gather", "gather") else nbytes
+
+
+def _named(address: str | None) -> str:
+    """``schema.module_name`` of a module address (None: the op ran outside every module)."""
+    return module_name({"module": address or "", "module_stack": address is not None})
 
 
 def _where_row(rank: int, w: dict[str, Any], in_group: bool) -> dict[str, Any] | None:
@@ -62,19 +63,19 @@ def _where_row(rank: int, w: dict[str, Any], in_group: bool) -> dict[str, Any] |
         return {
             "rank": rank,
             "what": f"{w.get('label')} seq {w.get('seq')} {w.get('state')}{stack}",
-            "module": module_name(w.get("module") or None),
+            "module": _named(w.get("module") or None),
             "source": w.get("source") or "",
         }
     if not w.get("last_label"):
         return (
             None
             if not in_group
-            else {"rank": rank, "what": "did not issue it", "module": NO_MODULE, "source": ""}
+            else {"rank": rank, "what": "did not issue it", "module": OUTSIDE, "source": ""}
         )
     return {
         "rank": rank,
         "what": ("did not issue it; " if in_group else "") + f"last op {w['last_label']}{stack}",
-        "module": module_name(w.get("last_module") or None),
+        "module": _named(w.get("last_module") or None),
         "source": w.get("last_source") or "",
     }
 
@@ -246,7 +247,7 @@ class Run:
             "rank": key[1],
             "label": cols["label"][i],
             "phase": cols["phase"][i],
-            "module": module_name(self.homes(key)[i] if key in self.full else cols["module"][i] or None),
+            "module": _named(self.homes(key)[i] if key in self.full else cols["module"][i] or None),
             "source": cols["source"][i],
             "ns": cols["duration_ns"][i],
             "flops": cols["flops"][i],
@@ -400,7 +401,7 @@ class Run:
         ordered = [r for a, r in rows.items() if a is not None] + ([rows[None]] if None in rows else [])
         for row in ordered:
             row["depth"] = depth.get(row["module"], 0) if row["module"] is not None else 0
-            row["name"] = module_name(row["module"])
+            row["name"] = _named(row["module"])
             row["ns"] = sum(row[p] for p in PHASES)
         return ordered
 
@@ -412,7 +413,7 @@ class Run:
             for address, phase, dur in zip(self.homes(key), cols["phase"], cols["duration_ns"]):
                 row = rows.get(address)
                 if row is None:
-                    row = rows[address] = {"name": module_name(address), **{p: 0 for p in PHASES}}
+                    row = rows[address] = {"name": _named(address), **{p: 0 for p in PHASES}}
                 row[phase if phase in PHASES else "forward"] += dur
         return sorted(rows.values(), key=lambda r: -sum(r[p] for p in PHASES))
 
@@ -442,8 +443,10 @@ class Run:
                         "ns": int(c.duration_ns),
                         "skew_ns": int(c.skew_ns),
                         "last_rank": int(c.last_rank),
-                        "busbw": bus_bandwidth(str(c.func), int(c.bytes), int(c.duration_ns), n),
-                        "module": module_name(c.module if c.module else None),
+                        "busbw": bus_bandwidth(
+                            str(c.func), _input_size(str(c.func), int(c.bytes), n), int(c.duration_ns), n
+                        ),
+                        "module": _named(c.module if c.module else None),
                         "source": str(c.source),
                     }
                 )
@@ -467,8 +470,13 @@ class Run:
                         "ns": ns,
                         "skew_ns": -1,
                         "last_rank": -1,
-                        "busbw": bus_bandwidth(ct["func"][k], ct["bytes"][k], ns, len(group)),
-                        "module": module_name(self.homes((s, r))[op] if 0 <= op < len(t) else None),
+                        "busbw": bus_bandwidth(
+                            ct["func"][k],
+                            collective_bytes(ct["in_numel"][k], ct["out_numel"][k], ct["dtype"][k]),
+                            ns,
+                            len(group),
+                        ),
+                        "module": _named(self.homes((s, r))[op] if 0 <= op < len(t) else None),
                         "source": t.columns["source"][op] if 0 <= op < len(t) else "",
                     }
                 )
@@ -528,7 +536,7 @@ class Run:
                             {
                                 "rank": r,
                                 "what": str(failed.get("func")),
-                                "module": module_name(failed.get("module") or None),
+                                "module": _named(failed.get("module") or None),
                                 "source": failed.get("source") or "",
                             }
                         ],
@@ -556,7 +564,7 @@ class Run:
             for op, of, norm in zip(st["op"], st["of"], st["norm"]):
                 module = wanted.get(op, ...)
                 if module is not ...:
-                    series.setdefault((module_name(module), of), {}).setdefault(key[0], []).append(norm)
+                    series.setdefault((_named(module), of), {}).setdefault(key[0], []).append(norm)
             if first is None:
                 bad = [k for k in range(len(st["op"])) if st["nan"][k] or st["inf"][k]]
                 if bad:
@@ -570,7 +578,7 @@ class Run:
                         "of": st["of"][k],
                         "nan": st["nan"][k],
                         "inf": st["inf"][k],
-                        "module": module_name(homes[op]),
+                        "module": _named(homes[op]),
                         "source": cols["source"][op],
                     }
         lines = {

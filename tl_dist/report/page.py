@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingToolError
-from ..views.graph import PHASES
+from ..schema import PHASES
 from ..views.summary import format_bytes, format_count, format_ns
 from .data import Run, short_source
 

@@ -303,7 +303,8 @@ def read_table(
     return columns
 
 
-_ARRAY_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+ARRAY_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+_ARRAY_DTYPES = ARRAY_DTYPES  # the old private name
 
 
 def _read_dataset(group: h5py.Group, name: str) -> np.ndarray | None:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._phases import PHASES
+from ..schema import PHASES
 from .summary import format_count, format_ns, format_shape
 
 if TYPE_CHECKING:

@@ -29,7 +29,8 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._files import replacing
-from .graph import PHASES, home_calls
+from ..schema import PHASES
+from .graph import home_calls
 
 if TYPE_CHECKING:
     from ..trace import Trace

@@ -7,15 +7,14 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..telemetry import OUTSIDE
+from ..schema import OUTSIDE
+from ..telemetry import summarize
 
 if TYPE_CHECKING:
     from ..trace import Trace
-
-# The one name every view gives "no module" (an op outside every module call): summaries, findings, the report.
-NO_MODULE = OUTSIDE
 
 
 def format_ns(ns: float) -> str:
@@ -92,8 +91,6 @@ def module_rows(trace: Trace) -> list[dict[str, Any]]:
     """One dict per module address, in order of first call: type, calls, depth and inclusive ops/time/FLOPs
     over every phase (a module's backward ops are those of its forward ops, see ``tl_dist.telemetry``). A
     trailing row collects the ops run outside every module (a top-level loss, the optimizer, the loss seed)."""
-    from ..telemetry import summarize
-
     rows: dict[str, dict[str, Any]] = {}
     for r in summarize(trace).modules:
         row = rows.get(r.module)
@@ -181,7 +178,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
     if trace.failed_op:
         failed = trace.failed_op
         lines.append(
-            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or NO_MODULE}): "
+            f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or OUTSIDE}): "
             f"{failed['error']}"
         )
 
@@ -220,7 +217,7 @@ def summary(trace: Trace, *, top: int = 10) -> str:
                 (
                     str(i),
                     cols["label"][i],
-                    (cols["module"][i] or "<root>") if cols["module_stack"][i] else NO_MODULE,
+                    (cols["module"][i] or "<root>") if cols["module_stack"][i] else OUTSIDE,
                     format_shape(tuple(shapes[0]) if shapes else None),
                     format_ns(durations[i]),
                     f"{share:.1f}%",
@@ -235,3 +232,15 @@ def summary(trace: Trace, *, top: int = 10) -> str:
             render_table(header, body, right=frozenset({0, 4, 5, 6})),
         ]
     return "\n".join(lines)
+
+
+def __getattr__(name: str) -> Any:
+    # NO_MODULE was this module's alias of the outside-every-module name; kept for one release.
+    if name == "NO_MODULE":
+        warnings.warn(
+            "tl_dist.views.summary.NO_MODULE is deprecated; use tl_dist.schema.OUTSIDE",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return OUTSIDE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
