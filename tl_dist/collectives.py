@@ -233,6 +233,7 @@ class CollectiveLog:
         self._sync_polled: dict[int, int] = {}  # blocking collective -> perf ns when is_completed() said so
         self._blocking: dict[int, None] = {}  # rows issued through the blocking API (async_op=False)
         self._functional: dict[int, int] = {}  # op index -> row, completed by wait_tensor / first reader
+        self._wrapped: dict[int, int] = {}  # _wrap_tensor_autograd op index -> the row of what it wraps
         self._ddp: dict[int, int] = {}  # autograd graph task -> DDP buckets seen in it
         self._failed: set[str] = set()  # funcs already warned about
 
@@ -286,7 +287,12 @@ class CollectiveLog:
         recorder = self.recorder
         if comm.spec is None:
             if comm.is_wait:
-                self._on_wait(recorder, args, t1)
+                self.waited(args, t1)
+            elif comm.func == "_wrap_tensor_autograd" and args and isinstance(args[0], Tensor):
+                # It wraps a functional collective's result: a wait on what it returns completes that one.
+                tag = getattr(args[0], _TAG, None)
+                if tag is not None and tag[0] == recorder.token and tag[1] in self._functional:
+                    self._wrapped[index] = self._functional[tag[1]]
             return outs
         spec = comm.spec
         group_arg = comm.arg("process_group", args, kwargs) if "process_group" in comm._pos else None
@@ -400,10 +406,14 @@ class CollectiveLog:
         recorder.rows[index] = tuple(row)
         return data_outs
 
-    def _on_wait(self, recorder: Any, args: tuple, t1: int) -> None:
+    def waited(self, args: tuple, t1: int) -> None:
+        """A ``wait_tensor(args[0])`` returned at perf-counter ``t1``: the functional collective that made the
+        tensor (directly or through ``_wrap_tensor_autograd``) completed by then."""
         tag = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
-        if tag is not None and tag[0] == recorder.token:
+        if tag is not None and tag[0] == self.recorder.token:
             row_i = self._functional.get(tag[1])
+            if row_i is None:
+                row_i = self._wrapped.get(tag[1])
             if row_i is not None:
                 self._done.setdefault(row_i, t1)
 
