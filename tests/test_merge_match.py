@@ -259,6 +259,10 @@ def test_skip_then_hang_reports_the_skip_as_primary(tmp_path):
         ("missing", 2, (1,), True),
         ("not_completed", 2, (0,), False),
     ]
+    # C is rank 0's third collective and rank 1's second: the consequence names each rank's own number.
+    assert g.findings[2].message.startswith(
+        "all_reduce seq 3 on rank 0, 2 on rank 1 of group [0, 1] at all_reduce_3"
+    )
 
 
 def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):

@@ -329,6 +329,8 @@ class Recorder:
             if info.func in _SPECIAL_PHASE:
                 phase = self.phases.special(info.func, args, phase)
             address, stack, call = modules.current_address, modules.address_stack, modules.current_call
+            if info.kind == "collective" and (owner := modules.hook_owner()) is not None:
+                address, stack, call = owner  # issued by a module's own forward hook, after its call ended
             if self.locate is None:
                 source = ""
             elif modules.current_builtin:  # inside nn.Linear & co: no user frame below its call site

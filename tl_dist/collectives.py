@@ -233,6 +233,7 @@ class CollectiveLog:
         self._sync_polled: dict[int, int] = {}  # blocking collective -> perf ns when is_completed() said so
         self._blocking: dict[int, None] = {}  # rows issued through the blocking API (async_op=False)
         self._functional: dict[int, int] = {}  # op index -> row, completed by wait_tensor / first reader
+        self._any_source: dict[int, tuple[Any, tuple[int, ...]]] = {}  # recv_any_source row -> (Work, ranks)
         self._wrapped: dict[int, int] = {}  # _wrap_tensor_autograd op index -> the row of what it wraps
         self._ddp: dict[int, int] = {}  # autograd graph task -> DDP buckets seen in it
         self._failed: set[str] = set()  # funcs already warned about
@@ -326,7 +327,14 @@ class CollectiveLog:
         in_numel = sum(t.numel() for t in inputs)
         is_async = comm.is_async(args, kwargs)
         bucket = -1
-        if spec.func == "all_reduce" and comm.ns == "c10d" and len(inputs) == 1 and inputs[0].dim() == 1:
+        if (
+            spec.func == "all_reduce"
+            and comm.ns == "c10d"
+            and len(inputs) == 1
+            and inputs[0].dim() == 1
+            # NB: with find_unused_parameters DDP also all-reduces its used-parameter map (int32): no bucket.
+            and (inputs[0].is_floating_point() or inputs[0].is_complex())
+        ):
             task = torch._C._current_graph_task_id()
             if task != -1 and _issued_by_ddp():
                 bucket = self._ddp.get(task, 0)
@@ -356,6 +364,8 @@ class CollectiveLog:
             ]
         )
         self._watch(row_i, comm, out, first, t1)
+        if spec.func == "recv" and spec.peer is None and (work := _work(out)) is not None:
+            self._any_source[row_i] = (work, ranks)  # its peer is known once the recv completed
         if not is_async and comm.ns == "c10d" and not (first is not None and first.is_cuda):
             # NB: on CUDA the blocking API only orders streams; it returns before the collective finished.
             self._blocking[row_i] = None
@@ -468,6 +478,13 @@ class CollectiveLog:
         names = field_names(COLLECTIVE_FIELDS)
         cols: dict[str, list] = {name: [] for name in names}
         i_issue, i_complete, i_state = _COLUMN["issue_ns"], _COLUMN["complete_ns"], _COLUMN["state"]
+        for row_i, (work, ranks) in list(self._any_source.items()):
+            if row_i in done:
+                try:
+                    self.rows[row_i][_COLUMN["peer"]] = _global(ranks, work._source_rank())
+                except RuntimeError:
+                    continue  # gloo raises until the source is known
+                del self._any_source[row_i]
         for row_i, row in enumerate(self.rows):
             row = list(row)
             row[i_issue] += offset  # rows hold perf-counter ns, like the recorder's; the table is epoch ns

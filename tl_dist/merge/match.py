@@ -467,7 +467,13 @@ def _findings(
         first = next(iter(slot.entries.values()))
         at = f"{first.label} in {first.module_name} ({first.source or 'no source'})"
         kind = "p2p " if slot.p2p else ""
-        message = f"{kind}{slot.func} seq {slot.seq} of group {list(slot.group)} at {at}: {slot.detail}"
+        seqs = {r: e.seq for r, e in sorted(slot.entries.items())}
+        # Aligned across a skipped collective: each rank's own number (an order finding's detail has them).
+        if len(set(seqs.values())) > 1 and slot.verdict != "order":
+            seq = ", ".join(f"{s} on rank {r}" for r, s in seqs.items())
+        else:
+            seq = str(slot.seq)
+        message = f"{kind}{slot.func} seq {seq} of group {list(slot.group)} at {at}: {slot.detail}"
         for r in slot.missing:
             stack_at = ended.get(r, {}).get("stack_at")
             if stack_at:
