@@ -153,8 +153,7 @@ class SubclassMode(TorchDispatchMode):
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
-        self._on_op = recorder.on_op
-        self._comm = recorder.comm
+        self._recorder = weakref.proxy(recorder)  # the recorder owns this mode: no reference cycle
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
@@ -168,9 +167,9 @@ class SubclassMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if info.comm.is_wait:
             out = func(*args, **kwargs)
-            self._comm.waited(args, _perf_ns())
+            self._recorder.comm.waited(args, _perf_ns())
             return out
-        return self._on_op(func, args, kwargs)
+        return self._recorder.on_op(func, args, kwargs)
 
 
 class Recorder:
