@@ -187,9 +187,7 @@ def _pipeline(rank, ws, step, schedule_cls):
     torch.manual_seed(0)
     layers = [nn.Linear(8, 8) for _ in range(ws)]
     models = [copy.deepcopy(layers[rank]) for _ in range(2)]
-    stages = [
-        PipelineStage(m, rank, ws, torch.device("cpu")) for m in models
-    ]
+    stages = [PipelineStage(m, rank, ws, torch.device("cpu")) for m in models]
     schedules = [
         schedule_cls(s, n_microbatches=4, loss_fn=lambda out, target: ((out - target) ** 2).sum())
         for s in stages
@@ -314,3 +312,61 @@ def test_parallelism_styles_recorded_completely_and_judged_right(tmp_path):
         n = len(results[0][name]["rows"]) - n_p2p
         # A send and its recv join as one; every other collective once per group.
         assert (frame.step == step).sum() == n + n_p2p, (name, frame[frame.step == step])
+
+
+def _two_d(rank, world_size, out_dir):
+    """FSDP2 over the "dp" dimension of a 2 x 2 mesh, tensor parallel over "tp" (torch's 2-D recipe)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tl.arm(out_dir / "run")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    torch.manual_seed(0)
+    base = nn.Sequential()
+    base.add_module("up", nn.Linear(8, 16))
+    base.add_module("down", nn.Linear(16, 8))
+    models = []
+    for _ in range(2):
+        m = parallelize_module(copy.deepcopy(base), mesh["tp"], plan)
+        fully_shard(m, mesh=mesh["dp"])
+        models.append(m)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    torch.manual_seed(1 + mesh.get_coordinate()[0])  # the same batch within a TP group
+    x = torch.randn(4, 8)
+
+    def make(k):
+        def run(phase):
+            phase("forward")
+            models[k](x).sum().backward()
+            phase("optimizer")
+            opts[k].step()
+            opts[k].zero_grad()
+
+        return run
+
+    for k in (0, 1):  # FSDP's lazy init outside the window
+        make(k)(_Phases(None))
+    groups = {"dp": mesh.get_group("dp"), "tp": mesh.get_group("tp")}
+    result = _window(1, groups, make(0), make(1), models)
+    tl.disarm()
+    return result
+
+
+def test_two_d_fsdp_and_tensor_parallel_four_ranks(tmp_path):
+    results = run_ranks(_two_d, world_size=4, tmp_path=tmp_path, timeout=240)
+    for rank, r in enumerate(results):
+        rows = r["rows"]
+        assert r["params_equal"], rank
+        for group, (lo, hi) in r["ranges"].items():
+            seqs = sorted(row["seq"] for row in rows if row["group"] == group)
+            assert seqs == list(range(lo + 1, hi + 1)), (rank, group, seqs, lo, hi)
+        assert all(row["group"] in r["ranges"] for row in rows), rank
+        assert all(row["state"] == "completed" for row in rows), (rank, rows)
+        assert [(row["func"], row["phase"]) for row in rows] == r["twin"], (rank, rows, r["twin"])
+        assert {row["group"] for row in rows} == set(r["ranges"]), rank  # both dimensions communicate
+    g = tl.merge_ranks(tmp_path / "run")
+    assert g.findings == [], g.summary()
+    assert set(g.collectives.verdict) == {"matched"}
+    assert sorted(map(len, g.collectives.ranks)) == [2] * len(g.collectives)
