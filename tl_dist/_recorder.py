@@ -261,6 +261,11 @@ class Recorder:
                 if writes and (writer := self._written_since(t, -1)) >= 0:
                     parents[writer] = None  # e.g. a parameter the optimizer updated earlier in the window
 
+        if subclass and self.comm.unlinked >= 0 and _grad_enabled():
+            # The first subclass op since a forward collective: the autograd nodes between them (DTensor's
+            # redistribution) have no op; their backward collectives belong to that collective's module.
+            self.training.link_unowned(tensors, self.comm.unlinked)
+            self.comm.unlinked = -1
         inplace = bool(info.mutated)
         pre_write = None
         if inplace:

@@ -235,6 +235,9 @@ class CollectiveLog:
         self._sync_polled: dict[int, int] = {}  # blocking collective -> perf ns when is_completed() said so
         self._blocking: dict[int, None] = {}  # rows issued through the blocking API (async_op=False)
         self._functional: dict[int, int] = {}  # op index -> row, completed by wait_tensor / first reader
+        self.unlinked = (
+            -1
+        )  # the latest forward functional collective no subclass op has read since (op index)
         self._any_source: dict[int, tuple[Any, tuple[int, ...]]] = {}  # recv_any_source row -> (Work, ranks)
         self._wrapped: dict[int, int] = {}  # _wrap_tensor_autograd op index -> the row of what it wraps
         self._ddp: dict[int, int] = {}  # autograd graph task -> DDP buckets seen in it
@@ -377,7 +380,10 @@ class CollectiveLog:
 
     def _watch(self, row_i: int, comm: CommOp, out: Any, first: Tensor | None, t1: int) -> None:
         if comm.ns != "c10d":
-            self._functional[self.rows[row_i][0]] = row_i
+            index = self.rows[row_i][0]
+            self._functional[index] = row_i
+            if torch._C._current_graph_task_id() == -1:
+                self.unlinked = index
             return
         work = _work(out)
         if work is None:
