@@ -295,6 +295,15 @@ def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
     assert "rank 1 never reached all_reduce_2: it was at /job/train.py:42 in time.sleep" in text
 
 
+def test_collective_not_seen_complete_in_windows_that_closed_is_no_hang(tmp_path):
+    # Both windows closed normally although B's completion was never observed (a functional collective whose
+    # result the window never read): they went past it, nobody hung in it.
+    s0 = [coll(source=A), coll(source=B, state="issued", is_async=True)]
+    s1 = [coll(source=A), coll(source=B, state="issued", is_async=True)]
+    g = _merge(tmp_path, [s0, s1])
+    assert g.findings == [] and list(g.collectives.verdict) == ["matched", "matched"]
+
+
 def test_hang_with_every_rank_inside_blames_the_stuck(tmp_path):
     s0 = [coll(source=A), coll(source=B, state="issued")]
     s1 = [coll(source=A), coll(source=B)]
