@@ -116,6 +116,19 @@ def _window(step, groups, run, twin_run, models):
     }
 
 
+def _sum_step(model, opt, x):
+    """A training step on ``x.sum()`` as a function of the phase setter (see :func:`_window`)."""
+
+    def run(phase):
+        phase("forward")
+        model(x).sum().backward()
+        phase("optimizer")
+        opt.step()
+        opt.zero_grad()
+
+    return run
+
+
 class _TPModel(nn.Module):
     """Colwise -> Rowwise (output sharded on the sequence) -> SequenceParallel LayerNorm -> Colwise (input
     sharded on the sequence) -> Rowwise: every TP/SP redistribution, and LayerNorm grads that are Partial."""
@@ -169,14 +182,7 @@ def _tp(rank, ws, step):
     x = torch.randn(2, 4, 8)
 
     def make(k):
-        def run(phase):
-            phase("forward")
-            models[k](x).sum().backward()
-            phase("optimizer")
-            opts[k].step()
-            opts[k].zero_grad()
-
-        return run
+        return _sum_step(models[k], opts[k], x)
 
     return _window(step, {"tp": mesh.get_group()}, make(0), make(1), models)
 
@@ -337,14 +343,7 @@ def _two_d(rank, world_size, out_dir):
     x = torch.randn(4, 8)
 
     def make(k):
-        def run(phase):
-            phase("forward")
-            models[k](x).sum().backward()
-            phase("optimizer")
-            opts[k].step()
-            opts[k].zero_grad()
-
-        return run
+        return _sum_step(models[k], opts[k], x)
 
     for k in (0, 1):  # FSDP's lazy init outside the window
         make(k)(_Phases(None))
