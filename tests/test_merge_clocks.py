@@ -587,3 +587,25 @@ def test_real_epoch_times_are_exact_to_the_ns(tmp_path):
     assert g.offsets[(0, 1)] == 4_005 * us and g.clocks.uncertainty_ns[1] == 15 * us
     assert [t["waits"] for t in g.timings] == [{0: 295 * us, 1: 0}, {0: 0, 1: 205 * us}, {0: 95 * us, 1: 0}]
     assert list(g.collectives.skew_ns) == [295 * us, 205 * us, 95 * us]
+
+
+def test_hung_window_counts_the_time_blocked_in_the_collective(tmp_path):
+    # Rank 0 is blocked in B until its window ends 10 s after T (gloo's timeout; an incomplete shard). Ops:
+    # mm [T, T+1000], A [T+1000, T+51000], mm [T+51000, T+52000], B issued at T+52000 and never completed.
+    from tl_dist.merge.timing import trace_breakdown
+
+    end = T + 10 * 10**9
+    s0 = [coll(source=A), coll(source=B, state="issued")]
+    hung = make_trace(0, s0, t0=T, complete=False, metadata={"window_end_ns": end})
+    done = make_trace(1, [coll(source=A)], t0=T)
+    write_run(tmp_path, [hung, done])
+    tb = merge_ranks(tmp_path).time_breakdown().set_index("rank")
+    expected = {"compute_ns": 2000, "comm_ns": 50_000 + (end - T - 52_000), "window_ns": end - T}
+    assert {k: int(tb.loc[0, k]) for k in expected} == expected
+    assert {k: trace_breakdown(0, 0, hung)[k] for k in expected} == expected
+    # A complete shard ends with its last op: nothing is added.
+    assert {k: int(tb.loc[1, k]) for k in expected} == {
+        "compute_ns": 1000,
+        "comm_ns": 50_000,
+        "window_ns": 51_000,
+    }

@@ -180,6 +180,10 @@ def test_hang_run_not_completed_from_incomplete_shards(tmp_path):
         hung[op].label: st for op, st in zip(hung.collective_table["op"], hung.collective_table["state"])
     }
     assert states["all_reduce_1"] == "completed" and states["all_reduce_2"] == "issued"
+    # The seconds rank 0 was blocked in it (until gloo's timeout ended the window) are communication time.
+    times = g.time_breakdown().set_index("rank")
+    timeout_ns = FAULT_TIMEOUT.total_seconds() * 1e9
+    assert times.loc[0, "comm_ns"] >= timeout_ns and times.loc[0, "window_ns"] >= timeout_ns, times
     # Where each rank was, and how each shard ended: rank 1 in its sleep (SIGTERM; the post-mortem names the
     # place the signal interrupted, not the test's handler that raised), rank 0 timed out in the all_reduce.
     sleep_at = f"{__file__}:{_line('hangs until rank 0 gives up')} in time.sleep"

@@ -259,6 +259,10 @@ def test_skip_then_hang_reports_the_skip_as_primary(tmp_path):
         ("missing", 2, (1,), True),
         ("not_completed", 2, (0,), False),
     ]
+    # C is rank 0's third collective and rank 1's second: the consequence names each rank's own number.
+    assert g.findings[2].message.startswith(
+        "all_reduce seq 3 on rank 0, 2 on rank 1 of group [0, 1] at all_reduce_3"
+    )
 
 
 def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
@@ -289,6 +293,15 @@ def test_hang_is_not_completed_with_where_each_rank_was(tmp_path):
     assert g.incomplete == {(0, 0), (0, 1)}
     text = g.summary()
     assert "rank 1 never reached all_reduce_2: it was at /job/train.py:42 in time.sleep" in text
+
+
+def test_collective_not_seen_complete_in_windows_that_closed_is_no_hang(tmp_path):
+    # Both windows closed normally although B's completion was never observed (a functional collective whose
+    # result the window never read): they went past it, nobody hung in it.
+    s0 = [coll(source=A), coll(source=B, state="issued", is_async=True)]
+    s1 = [coll(source=A), coll(source=B, state="issued", is_async=True)]
+    g = _merge(tmp_path, [s0, s1])
+    assert g.findings == [] and list(g.collectives.verdict) == ["matched", "matched"]
 
 
 def test_hang_with_every_rank_inside_blames_the_stuck(tmp_path):

@@ -13,9 +13,11 @@ Each call of a module becomes a row of the module-call table (schema.MODULE_CALL
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +28,13 @@ from ._common import TAG, TORCH_DIR
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
 _LEAF_SPEC = tree_flatten(torch.empty(0))[1]
+# Module._call_impl and the closure it runs forward and forward hooks in (their frames hold the module as self).
+_CALL_CODES = frozenset(
+    {
+        nn_module.Module._call_impl.__code__,
+        *(c for c in nn_module.Module._call_impl.__code__.co_consts if isinstance(c, CodeType)),
+    }
+)
 _get_ident = threading.get_ident
 _graph_task_id = torch._C._current_graph_task_id
 _SKIP = "\0skip"  # names[id(module)] of a module whose calls are not module calls (torch.compile's wrapper)
@@ -75,6 +84,7 @@ class ModuleTracker:
         # (id(module), call row or -1 for a recomputation, address stack, call site, torch's own class)
         self._stack: list[tuple[int, int, tuple[str, ...], str, bool]] = []
         self._forward_calls: dict[int, tuple[tuple[str, ...], str]] = {}  # id(module) -> last forward call
+        self._last_call: dict[int, int] = {}  # id(module) -> its last forward call's row
         self.stack_of_address: dict[str, tuple[str, ...]] = {}  # address -> stack of its last forward call
         self.recompute_calls = 0  # open module calls that started inside the autograd engine
         self.thread = _get_ident()
@@ -185,6 +195,7 @@ class ModuleTracker:
         stack = self.address_stack + (address,)
         self._stack.append((id(module), row, stack, source, _is_builtin(module)))
         self._forward_calls[id(module)] = (stack, source)
+        self._last_call[id(module)] = row
         self.stack_of_address[address] = stack
         self._set_current()
 
@@ -217,6 +228,29 @@ class ModuleTracker:
         self.calls["out_pos"][row] = out_pos
         self.out_trees[row] = (spec, [None if i >= 0 else leaf for i, leaf in zip(out_ops, leaves)])
         return tree_unflatten(leaves, spec) if edited else None
+
+    def hook_owner(self) -> tuple[str, tuple[str, ...], int] | None:
+        """(address, address stack, call row) of the module whose own forward hooks are running now, when it
+        is no longer the current call; else None. Called for collectives only (it walks the Python stack).
+
+        The global post-hook that ends a call runs before the module's own forward hooks, so what those
+        issue (``RowwiseParallel``'s output redistribution: a reduce_scatter or all_reduce) would land in the
+        caller; like DDP's and FSDP's collectives, it belongs to the module whose call issued it.
+        NB: the call's ``end_op`` stays where the call ended (before its hooks).
+        """
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code in _CALL_CODES:
+                module = frame.f_locals.get("self")
+                if module is None or any(entry[0] == id(module) for entry in self._stack):
+                    return None  # inside its forward (or its pre-hooks): the current call is right
+                forward = self._forward_calls.get(id(module))
+                row = self._last_call.get(id(module), -1)
+                if forward is None or not forward[0]:
+                    return None
+                return forward[0][-1], forward[0], row
+            frame = frame.f_back
+        return None
 
     def _note_compiled(self) -> None:
         if self.compiled_seen:

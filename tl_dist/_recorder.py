@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._common import DEVICE_NAMES, DTYPE_NAMES, RowView, device_name, dtype_name, flat_outputs, storage_key
@@ -135,7 +136,40 @@ class CaptureMode(TorchDispatchMode):
         self._on_op = recorder.on_op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        return self._on_op(func, args, kwargs or {})
+        # types is empty for plain tensors; a tensor subclass (DTensor, AsyncCollectiveTensor) runs its own
+        # dispatch inside this op, which may communicate (see SubclassMode).
+        return self._on_op(func, args, kwargs or {}, bool(types))
+
+
+class SubclassMode(TorchDispatchMode):
+    """On the mode stack while a recorded op runs a tensor subclass's own dispatch.
+
+    CaptureMode is off the stack inside its handler, so what DTensor issues there (the all-reduce of a
+    ``Partial`` gradient in ``opt.step()``) and the ``wait_tensor`` an AsyncCollectiveTensor runs before its
+    first use would reach no one. This mode records those collectives as ops of their own, reports waits as
+    completions, and runs every other op unrecorded: it is the subclass's implementation of the op already
+    recorded. A nested subclass op returns NotImplemented so that its own dispatch runs with this mode on.
+    """
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self._recorder = weakref.proxy(recorder)  # the recorder owns this mode: no reference cycle
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        if types:
+            if any(issubclass(t, _FakeTensor) for t in types):
+                return func(*args, **kwargs)  # DTensor's sharding propagation: FakeTensorMode runs it
+            return NotImplemented
+        cached = OPINFO_CACHE.get(id(func))
+        info = cached[1] if cached is not None and cached[0] is func else op_info(func)
+        if info.comm is None:
+            return func(*args, **kwargs)
+        if info.comm.is_wait:
+            out = func(*args, **kwargs)
+            self._recorder.comm.waited(args, _perf_ns())
+            return out
+        return self._recorder.on_op(func, args, kwargs)
 
 
 class Recorder:
@@ -174,6 +208,7 @@ class Recorder:
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
         self.comm = CollectiveLog(self)
+        self.subclass_mode = SubclassMode(self)
         # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
         self.pending: tuple[int, list[Tensor]] | None = None
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
@@ -183,7 +218,7 @@ class Recorder:
         self.clock_offset_ns = time.time_ns() - _perf_ns()
 
     # -- the hot path -------------------------------------------------------------------------------------
-    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def on_op(self, func: Any, args: tuple, kwargs: dict, subclass: bool = False) -> Any:
         cached = OPINFO_CACHE.get(id(func))  # by id: OpOverload's __hash__ is Python code
         info = cached[1] if cached is not None and cached[0] is func else op_info(func)
         if self.pending is not None:  # the previous op's outputs now have their grad_fn
@@ -226,13 +261,17 @@ class Recorder:
                 if writes and (writer := self._written_since(t, -1)) >= 0:
                     parents[writer] = None  # e.g. a parameter the optimizer updated earlier in the window
 
+        if subclass and self.comm.unlinked >= 0 and _grad_enabled():
+            # The first subclass op since a forward collective: the autograd nodes between them (DTensor's
+            # redistribution) have no op; their backward collectives belong to that collective's module.
+            self.training.link_unowned(tensors, self.comm.unlinked)
+            self.comm.unlinked = -1
         inplace = bool(info.mutated)
         pre_write = None
         if inplace:
             written = mutated_tensors(info, args, kwargs)
             pre_write = self._before_write(written, tensors, srcs)
 
-        index = self.n_ops
         cuda = tensors and tensors[0].is_cuda
         if cuda:
             start_event = torch.cuda.Event(enable_timing=True)
@@ -240,11 +279,18 @@ class Recorder:
             start_event.record()
         t0 = _perf_ns()
         try:
-            out = func(*args, **kwargs)
+            if subclass:
+                with self.subclass_mode:
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
         except BaseException as exc:
-            self._record_failure(info, exc)
+            if not (subclass and self.failed_op is not None):  # else a collective inside it failed: keep that
+                self._record_failure(info, exc)
             raise
         t1 = _perf_ns()
+        # Numbered after it ran: a subclass's dispatch records the collectives it issued as ops before this one.
+        index = self.n_ops
         if cuda:
             end_event.record()
             self.cuda_events.append((index, start_event, end_event))
@@ -287,6 +333,8 @@ class Recorder:
             if info.func in _SPECIAL_PHASE:
                 phase = self.phases.special(info.func, args, phase)
             address, stack, call = modules.current_address, modules.address_stack, modules.current_call
+            if info.kind == "collective" and (owner := modules.hook_owner()) is not None:
+                address, stack, call = owner  # issued by a module's own forward hook, after its call ended
             if self.locate is None:
                 source = ""
             elif modules.current_builtin:  # inside nn.Linear & co: no user frame below its call site

@@ -24,8 +24,10 @@ What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
   roots and peers are group ranks. Ops with ``async_op`` get ``False`` from the blocking Python API. Gloo's
   reduce_scatter and p2p Works have no future; reduce_scatter's never reports ``is_completed()`` either.
 - Functional collectives dispatch ``_c10d_functional.*`` (group by name) followed by ``_wrap_tensor_autograd``;
-  their ``wait_tensor`` reaches the mode only when called from user code (``AsyncCollectiveTensor.wait()``),
-  not when the AsyncCollectiveTensor waits inside another op's dispatch.
+  their ``wait_tensor`` reaches the capture mode only when called from user code
+  (``AsyncCollectiveTensor.wait()``); when the AsyncCollectiveTensor waits inside another op's dispatch, the
+  capture's SubclassMode (``_recorder``) sees it, as it sees what DTensor issues inside its own dispatch.
+- With ``find_unused_parameters=True`` DDP also all-reduces its used-parameter map (int32, 1-D) in backward.
 - DDP's gradient buckets: one ``c10d.allreduce_`` of a flat 1-D bucket per bucket, issued by the C++ reducer
   inside the autograd engine (``torch._C._current_graph_task_id() != -1``, no user Python frame between the
   engine and the dispatcher), in bucket order. NB: DDP's first iteration runs with
@@ -233,6 +235,11 @@ class CollectiveLog:
         self._sync_polled: dict[int, int] = {}  # blocking collective -> perf ns when is_completed() said so
         self._blocking: dict[int, None] = {}  # rows issued through the blocking API (async_op=False)
         self._functional: dict[int, int] = {}  # op index -> row, completed by wait_tensor / first reader
+        self.unlinked = (
+            -1
+        )  # the latest forward functional collective no subclass op has read since (op index)
+        self._any_source: dict[int, tuple[Any, tuple[int, ...]]] = {}  # recv_any_source row -> (Work, ranks)
+        self._wrapped: dict[int, int] = {}  # _wrap_tensor_autograd op index -> the row of what it wraps
         self._ddp: dict[int, int] = {}  # autograd graph task -> DDP buckets seen in it
         self._failed: set[str] = set()  # funcs already warned about
 
@@ -286,7 +293,12 @@ class CollectiveLog:
         recorder = self.recorder
         if comm.spec is None:
             if comm.is_wait:
-                self._on_wait(recorder, args, t1)
+                self.waited(args, t1)
+            elif comm.func == "_wrap_tensor_autograd" and args and isinstance(args[0], Tensor):
+                # It wraps a functional collective's result: a wait on what it returns completes that one.
+                tag = getattr(args[0], _TAG, None)
+                if tag is not None and tag[0] == recorder.token and tag[1] in self._functional:
+                    self._wrapped[index] = self._functional[tag[1]]
             return outs
         spec = comm.spec
         group_arg = comm.arg("process_group", args, kwargs) if "process_group" in comm._pos else None
@@ -320,7 +332,14 @@ class CollectiveLog:
         in_numel = sum(t.numel() for t in inputs)
         is_async = comm.is_async(args, kwargs)
         bucket = -1
-        if spec.func == "all_reduce" and comm.ns == "c10d" and len(inputs) == 1 and inputs[0].dim() == 1:
+        if (
+            spec.func == "all_reduce"
+            and comm.ns == "c10d"
+            and len(inputs) == 1
+            and inputs[0].dim() == 1
+            # NB: with find_unused_parameters DDP also all-reduces its used-parameter map (int32): no bucket.
+            and (inputs[0].is_floating_point() or inputs[0].is_complex())
+        ):
             task = torch._C._current_graph_task_id()
             if task != -1 and _issued_by_ddp():
                 bucket = self._ddp.get(task, 0)
@@ -350,6 +369,8 @@ class CollectiveLog:
             ]
         )
         self._watch(row_i, comm, out, first, t1)
+        if spec.func == "recv" and spec.peer is None and (work := _work(out)) is not None:
+            self._any_source[row_i] = (work, ranks)  # its peer is known once the recv completed
         if not is_async and comm.ns == "c10d" and not (first is not None and first.is_cuda):
             # NB: on CUDA the blocking API only orders streams; it returns before the collective finished.
             self._blocking[row_i] = None
@@ -359,7 +380,10 @@ class CollectiveLog:
 
     def _watch(self, row_i: int, comm: CommOp, out: Any, first: Tensor | None, t1: int) -> None:
         if comm.ns != "c10d":
-            self._functional[self.rows[row_i][0]] = row_i
+            index = self.rows[row_i][0]
+            self._functional[index] = row_i
+            if torch._C._current_graph_task_id() == -1:
+                self.unlinked = index
             return
         work = _work(out)
         if work is None:
@@ -400,10 +424,14 @@ class CollectiveLog:
         recorder.rows[index] = tuple(row)
         return data_outs
 
-    def _on_wait(self, recorder: Any, args: tuple, t1: int) -> None:
+    def waited(self, args: tuple, t1: int) -> None:
+        """A ``wait_tensor(args[0])`` returned at perf-counter ``t1``: the functional collective that made the
+        tensor (directly or through ``_wrap_tensor_autograd``) completed by then."""
         tag = getattr(args[0], _TAG, None) if args and isinstance(args[0], Tensor) else None
-        if tag is not None and tag[0] == recorder.token:
+        if tag is not None and tag[0] == self.recorder.token:
             row_i = self._functional.get(tag[1])
+            if row_i is None:
+                row_i = self._wrapped.get(tag[1])
             if row_i is not None:
                 self._done.setdefault(row_i, t1)
 
@@ -458,6 +486,13 @@ class CollectiveLog:
         names = field_names(COLLECTIVE_FIELDS)
         cols: dict[str, list] = {name: [] for name in names}
         i_issue, i_complete, i_state = _COLUMN["issue_ns"], _COLUMN["complete_ns"], _COLUMN["state"]
+        for row_i, (work, ranks) in list(self._any_source.items()):
+            if row_i in done:
+                try:
+                    self.rows[row_i][_COLUMN["peer"]] = _global(ranks, work._source_rank())
+                except RuntimeError:
+                    continue  # gloo raises until the source is known
+                del self._any_source[row_i]
         for row_i, row in enumerate(self.rows):
             row = list(row)
             row[i_issue] += offset  # rows hold perf-counter ns, like the recorder's; the table is epoch ns

@@ -250,6 +250,24 @@ class TrainingState:
         """Drops op ``index``'s output statistics (an edit replaced the output after they were taken)."""
         self._stat_rows = [r for r in self._stat_rows if r[0] != index or r[1] != "out"]
 
+    def link_unowned(self, tensors: list[Tensor], index: int) -> None:
+        """Links to op ``index`` the autograd nodes behind ``tensors`` that no recorded op made, walking back
+        through such nodes (a custom autograd Function's: DTensor's redistribution, to_local, from_local)
+        until one a recorded op owns. Their backward then belongs where op ``index`` ran."""
+        token = self.rec.token
+        link = (token, index)
+        todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+        seen = 0
+        while todo and seen < 16:  # a redistribution is a few nodes deep; never walk a whole graph
+            node = todo.pop()
+            seen += 1
+            meta = node.metadata
+            old = meta.get(_KEY)
+            if (old is not None and old[0] is token) or type(node).__name__ == "AccumulateGrad":
+                continue
+            meta[_KEY] = link
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
     def link_pending(self) -> None:
         """Tags the autograd nodes of the previous op's outputs with that op; adds gradient hooks if selected."""
         rec = self.rec

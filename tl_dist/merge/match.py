@@ -14,8 +14,8 @@ Verdict per joined collective, first that applies:
   in == out and equal on all members; all_gather / gather: equal inputs, out == in x group size; reduce_scatter / scatter: equal
   outputs, in == out x group size; all_to_all: total in == total out; others: equal payloads). A
   disagreement is the cause even when the collective then failed on some members.
-- ``not_completed``  a member issued it but never saw it complete, or a member whose shard is incomplete
-  never reached it (the hang signature).
+- ``not_completed``  a member whose shard is incomplete issued it but never saw it complete, or never
+  reached it (the hang signature).
 - ``order``          the ranks issued it at different positions (swapped collectives).
 - ``missing``        some members never issued it (skipped, or did something else there).
 - ``matched``.
@@ -299,7 +299,10 @@ def _mismatch(slot: Joined, entries: list, group_size: int) -> tuple[str, str, t
 
 def _judge(slot: Joined, group_size: int, incomplete: set[int], last_pos: dict[int, int], pos: int) -> None:
     entries = list(slot.entries.values())
-    stuck = [e.rank for e in entries if e.state != "completed"]
+    # Stuck: never seen complete by a rank whose window then ended early (hang, crash, signal). A window that
+    # closed normally went past it; its completion was only not observed (a functional collective whose
+    # result the window never read), which is no hang.
+    stuck = [e.rank for e in entries if e.state != "completed" and e.rank in incomplete]
     missing = slot.missing
     never_reached = [r for r in missing if r in incomplete and last_pos.get(r, -1) < pos]
     # When every member issued it, a disagreement is the cause and a failure to complete its consequence
@@ -467,7 +470,13 @@ def _findings(
         first = next(iter(slot.entries.values()))
         at = f"{first.label} in {first.module_name} ({first.source or 'no source'})"
         kind = "p2p " if slot.p2p else ""
-        message = f"{kind}{slot.func} seq {slot.seq} of group {list(slot.group)} at {at}: {slot.detail}"
+        seqs = {r: e.seq for r, e in sorted(slot.entries.items())}
+        # Aligned across a skipped collective: each rank's own number (an order finding's detail has them).
+        if len(set(seqs.values())) > 1 and slot.verdict != "order":
+            seq = ", ".join(f"{s} on rank {r}" for r, s in seqs.items())
+        else:
+            seq = str(slot.seq)
+        message = f"{kind}{slot.func} seq {seq} of group {list(slot.group)} at {at}: {slot.detail}"
         for r in slot.missing:
             stack_at = ended.get(r, {}).get("stack_at")
             if stack_at:

@@ -296,7 +296,10 @@ def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, 
         is_coll = ids(ops, op_cat, "kind") == names.id("collective")
         spans = ct["is_async"] & (ct["complete_ns"] >= 0)
         async_spans = (ct["op"][spans], ct["issue_ns"][spans], ct["complete_ns"][spans])
-        data.local = local_breakdown(is_coll, starts, durations, async_spans)
+        hung = None
+        if not data.complete:  # blocked in what never completed until the window ended
+            hung = (ct["issue_ns"][ct["complete_ns"] < 0], int(metadata.get("window_end_ns", 0)))
+        data.local = local_breakdown(is_coll, starts, durations, async_spans, hung)
         data.first_ns = int(starts.min())
         last = np.array([n - 1])
         module = names.strings[int(ids(ops, op_cat, "module", last)[0])]

@@ -153,6 +153,7 @@ def local_breakdown(
     starts: np.ndarray,
     durations: np.ndarray,
     async_spans: tuple[np.ndarray, np.ndarray, np.ndarray],
+    hung: tuple[np.ndarray, int] | None = None,
 ) -> tuple[int, int, int]:
     """(compute_ns, comm_ns, window_ns) of one rank's window, from its op columns (no clocks needed).
 
@@ -160,6 +161,14 @@ def local_breakdown(
     includes its wait), an async one's issue-to-observed-completion interval (``async_spans``: op index, issue,
     completion; the op itself only enqueues); overlapping collectives (DDP buckets in flight together) count
     once. ``compute_ns`` sums every other op's duration; ``window_ns`` spans first op start to last op end.
+    ``hung`` (an incomplete shard: a hang, crash or signal): the issue times of its collectives that never
+    completed and the window's end; the rank was blocked in them until then, so they count as communication
+    up to that end and the window lasts until it.
+
+    Example:
+        >>> local_breakdown(np.array([False, True]), np.array([0, 10]), np.array([10, 5]),
+        ...                 (np.zeros(0, int), np.zeros(0, int), np.zeros(0, int)), (np.array([10]), 1000))
+        (10, 990, 1000)
     """
     n = len(starts)
     if not n:
@@ -176,7 +185,12 @@ def local_breakdown(
     ok = p >= 0
     s[p[ok]] = issue[keep][ok]
     e[p[ok]] = complete[keep][ok]
-    window = int((starts + durations).max() - starts.min())
+    end = int((starts + durations).max())
+    if hung is not None and len(hung[0]) and hung[1] > 0:
+        s = np.concatenate([s, hung[0]])
+        e = np.concatenate([e, np.full(len(hung[0]), hung[1], dtype=np.int64)])
+        end = max(end, int(hung[1]))
+    window = end - int(starts.min())
     comm = int(grouped_union(np.zeros(len(s), dtype=np.int64), s, e)[1].sum())
     return compute, comm, window
 
@@ -209,10 +223,17 @@ def trace_breakdown(step: int, rank: int, trace: Any, wait_ns: int = 0) -> dict[
         np.asarray(ct["issue_ns"], dtype=np.int64)[spans],
         complete[spans],
     )
+    hung = None
+    if not trace.metadata.get("complete", True):
+        hung = (
+            np.asarray(ct["issue_ns"], dtype=np.int64)[complete < 0],
+            int(trace.metadata.get("window_end_ns", 0)),
+        )
     local = local_breakdown(
         np.array([k == "collective" for k in cols["kind"]], dtype=bool),
         np.asarray(cols["start_ns"], dtype=np.int64),
         np.asarray(cols["duration_ns"], dtype=np.int64),
         async_spans,
+        hung,
     )
     return breakdown_row(step, rank, len(trace), local, wait_ns)
