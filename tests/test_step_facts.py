@@ -1,0 +1,85 @@
+"""Step facts (tl_dist.step_facts): the window's time facts, the straggler rule and busbw, hand-computed."""
+
+import numpy as np
+import pytest
+
+from tl_dist.step_facts import bus_bandwidth, local_facts, straggler
+
+_I = np.int64
+
+
+def _facts(kinds, starts, durations, spans=((), (), ()), window=(None, None), hung=None):
+    return local_facts(
+        np.array(kinds, dtype=bool),
+        np.array(starts, dtype=_I),
+        np.array(durations, dtype=_I),
+        tuple(np.array(a, dtype=_I) for a in spans),
+        window,
+        None if hung is None else np.array(hung, dtype=_I),
+    )
+
+
+def test_window_idle_compute_and_communication():
+    # ops: compute [1000, 1100), blocking collective [1200, 1500), async collective op [1500, 1510) in flight
+    # [1500, 2500), compute [1600, 1700), async [2000, 3000) overlapping the first one, compute [3000, 3050).
+    f = _facts(
+        [False, True, True, False, True, False],
+        [1000, 1200, 1500, 1600, 2000, 3000],
+        [100, 300, 10, 100, 5, 50],
+        spans=([2, 4], [1500, 2000], [2500, 3000]),
+        window=(400, 4000),
+    )
+    # window 4000 - 400; idle 1000 - 400 before, 4000 - 3050 after; compute 100 + 100 + 50;
+    # communication [1200, 1500) + [1500, 2500) u [2000, 3000) = 300 + 1500.
+    assert f == {
+        "window_ns": 3600,
+        "idle_before_ns": 600,
+        "idle_after_ns": 950,
+        "compute_ns": 250,
+        "comm_ns": 1800,
+    }
+
+
+def test_unions_touching_nested_and_empty_intervals():
+    # [0, 10) [10, 20) touch -> 20; [5, 6) inside -> 0; [30, 30) empty -> 0; [25, 40) -> 15.
+    f = _facts([True] * 5, [0, 10, 5, 30, 25], [10, 10, 1, 0, 15])
+    assert f["comm_ns"] == 35
+    # No recorded window: first op start to last op end, no idle.
+    assert (f["window_ns"], f["idle_before_ns"], f["idle_after_ns"]) == (40, 0, 0)
+
+
+def test_a_hung_collective_counts_until_the_window_end():
+    # compute [100, 200); a collective issued at 300 never completed; the window ended at 10_000.
+    f = _facts([False, True], [100, 300], [100, 5], window=(0, 10_000), hung=[300])
+    assert (f["comm_ns"], f["window_ns"], f["idle_after_ns"]) == (10_000 - 300, 10_000, 10_000 - 305)
+
+
+def test_a_window_without_ops_is_all_idle():
+    assert _facts([], [], [], window=(5, 105)) == {
+        "window_ns": 100,
+        "idle_before_ns": 100,
+        "idle_after_ns": 0,
+        "compute_ns": 0,
+        "comm_ns": 0,
+    }
+
+
+def test_the_straggler_is_the_rank_waited_for_longest_lowest_on_ties():
+    rows = [
+        {"rank": 0, "caused_wait_ns": 5},
+        {"rank": 2, "caused_wait_ns": 9},
+        {"rank": 1, "caused_wait_ns": 9},
+    ]
+    assert straggler(rows) == (1, 9)
+    assert straggler([{"rank": 0, "caused_wait_ns": 0}]) is None
+    assert straggler([]) is None
+
+
+@pytest.mark.parametrize(
+    "func, n, factor",
+    [("all_reduce", 4, 1.5), ("all_gather", 4, 0.75), ("reduce_scatter", 2, 0.5), ("broadcast", 8, 1.0)],
+)
+def test_busbw_is_size_over_time_times_the_nccl_tests_factor(func, n, factor):
+    # 4000 bytes in 2 us: 2 GB/s algbw
+    assert bus_bandwidth(func, n, 4000, 2000) == pytest.approx(2e9 * factor)
+    assert bus_bandwidth(func, n, 4000, 0) == 0.0
