@@ -47,9 +47,11 @@ from ._step_metrics import (
     module_addresses,
     modules_key,
     nonfinite_message,
+    rank_arrivals,
     rank_module_values,
     rank_scalars,
     step_metrics,
+    step_straggler,
 )
 
 __all__ = ["NonFiniteError", "TelemetryCallback"]
@@ -283,7 +285,9 @@ class TelemetryCallback(pl.Callback):
         if all(row[key_at] == self._key for row in rows) and (self._timed or self._every):
             modules = _gather(trainer, rank_module_values(telemetry, self._timed, self._every))
         if logging:
-            metrics = step_metrics(rows, modules, self._timed, self._every, statistics=statistics)
+            arrivals = _gather(trainer, rank_arrivals(telemetry, cap.trace.metadata), torch.int64)
+            late = step_straggler(step, arrivals)
+            metrics = step_metrics(rows, modules, self._timed, self._every, statistics=statistics, late=late)
             _log(trainer, metrics, step)
         if statistics:
             self._check_nonfinite(trainer, step, rows, telemetry)
@@ -333,9 +337,9 @@ class TelemetryCallback(pl.Callback):
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
-def _gather(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
+def _gather(trainer: pl.Trainer, values: list, dtype: torch.dtype = torch.float64) -> list[list]:
     """Every rank's ``values`` (rank order), gathered with the strategy."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    tensor = torch.tensor(values, dtype=dtype, device=trainer.strategy.root_device)
     gathered = trainer.strategy.all_gather(tensor)
     if gathered.dim() == 1:  # a single-device strategy returns the tensor itself
         gathered = gathered.unsqueeze(0)

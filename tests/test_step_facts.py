@@ -83,3 +83,25 @@ def test_busbw_is_size_over_time_times_the_nccl_tests_factor(func, n, factor):
     # 4000 bytes in 2 us: 2 GB/s algbw
     assert bus_bandwidth(func, n, 4000, 2000) == pytest.approx(2e9 * factor)
     assert bus_bandwidth(func, n, 4000, 0) == 0.0
+
+
+def test_the_lightning_straggler_is_the_merge_rule_on_gathered_arrivals():
+    from tl_dist.integrations._step_metrics import MAX_ARRIVALS, rank_arrivals, step_straggler
+    from tl_dist.telemetry import StepTelemetry
+
+    def row(arrivals):
+        t = StepTelemetry(*([None] * 20), arrivals=arrivals)
+        return rank_arrivals(t, {"host": "h", "boot_id": "b"})  # one host and boot: one clock
+
+    world = (0, 1)
+    # all_reduce seq 1: rank 0 arrives at 100, rank 1 at 400 (both done at 500): rank 0 waits 300 for rank 1.
+    # seq 2: rank 1 at 600, rank 0 at 650: rank 1 waits 50 for rank 0. Straggler: rank 1, 300 ns.
+    rows = [
+        row(((world, 1, 100, 500), (world, 2, 650, 700))),
+        row(((world, 1, 400, 500), (world, 2, 600, 700))),
+    ]
+    assert len(rows[0]) == 2 + 4 * MAX_ARRIVALS
+    assert step_straggler(0, rows) == (1, 300)
+    # Nobody waited (simultaneous arrivals), or nothing joined (one rank only): no straggler.
+    assert step_straggler(0, [row(((world, 1, 100, 500),)), row(((world, 1, 100, 500),))]) is None
+    assert step_straggler(0, [row(((world, 1, 100, 500),))]) is None

@@ -132,9 +132,9 @@ class StepTelemetry:
     first_nonfinite: dict[str, Any] | None  # label, index, func, module, source, phase (stats only)
     idle_before_ns: int = 0  # window start -> first op (step_facts)
     idle_after_ns: int = 0  # last op end -> window end (step_facts)
-    # Per completed collective (not p2p): (group ranks, seq, issue_ns) -- what a straggler is computed from
-    # once the ranks' rows are gathered (the Lightning callback: tl/straggler_rank).
-    arrivals: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+    # Per completed collective (not p2p): (group ranks, seq, issue_ns, complete_ns) -- what the straggler is
+    # computed from once the ranks' rows are gathered (the Lightning callback: tl/straggler_rank).
+    arrivals: tuple[tuple[tuple[int, ...], int, int, int], ...] = ()
 
     def frame(self, table: str) -> pd.DataFrame:
         """One of ``modules``, ``funcs``, ``collectives``, ``norms``, ``nonfinite`` as a pandas DataFrame.
@@ -281,9 +281,9 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     )
 
 
-def _arrivals(table: dict[str, list]) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+def _arrivals(table: dict[str, list]) -> tuple[tuple[tuple[int, ...], int, int, int], ...]:
     return tuple(
-        (tuple(ranks), seq, issue)
+        (tuple(ranks), seq, issue, complete)
         for ranks, seq, issue, complete, peer in zip(
             table["group_ranks"], table["seq"], table["issue_ns"], table["complete_ns"], table["peer"]
         )
