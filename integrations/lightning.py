@@ -287,6 +287,10 @@ class TelemetryCallback(pl.Callback):
         if logging:
             arrivals = _gather(trainer, rank_arrivals(telemetry, cap.trace.metadata), torch.int64)
             late = step_straggler(step, arrivals)
+            for sink in self.sinks:  # e.g. OtelSink: the tl.step.straggler_* gauges (Prometheus)
+                on_straggler = getattr(sink, "on_straggler", None)
+                if on_straggler is not None:
+                    on_straggler(late)
             metrics = step_metrics(rows, modules, self._timed, self._every, statistics=statistics, late=late)
             _log(trainer, metrics, step)
         if statistics:
