@@ -210,7 +210,7 @@ class OtelSink:
         """
         self._late = (late,)
         metrics = self._window_metrics
-        if metrics is not None:
+        if metrics is not None and metrics.rank is not None:  # else on_window sets them, with the tl.rank
             with quiet(self._trouble):
                 metrics.straggler(late)
 

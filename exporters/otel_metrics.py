@@ -110,6 +110,11 @@ class WindowMetrics:
             found = self._attrs[key] = {**attrs, "tl.rank": self._rank}
         return found
 
+    @property
+    def rank(self) -> int | None:
+        """The rank of the windows recorded so far (None before the first)."""
+        return self._rank
+
     def straggler(self, late: tuple[int, int] | None) -> None:
         """Set the straggler gauges: ``late`` is ``(rank, wait_ns)`` (:func:`tl_dist.step_facts.straggler`)."""
         attrs = self._attributes(("rank",))

@@ -452,7 +452,7 @@ class Run:
                         "ns": int(c.duration_ns),
                         "skew_ns": int(c.skew_ns),
                         "last_rank": int(c.last_rank),
-                        "module": _named(c.module if c.module else None),
+                        "module": str(c.module),
                         "source": str(c.source),
                     }
                 )
