@@ -13,6 +13,7 @@ from test_views import Net
 import tl_dist as tl
 from tl_dist.cli import main
 from tl_dist.report.data import Run
+from tl_dist.report.headline import headline
 from tl_dist.schema import OUTSIDE
 from tl_dist.telemetry import summarize
 
@@ -64,7 +65,7 @@ def test_numbers(small_run):
     assert [(s["step"], s["rank"]) for s in strag if s["caused_wait_ns"] > 0] == [(0, 1), (1, 1)]
     # The headline: step 0 holds the longest window (rank 0's, waiting); its straggler, rank 1, held rank 0 up
     # by its caused wait, at the all_reduce (outside every module); its largest phase is its slow backward.
-    h = run.headline()
+    h = headline(run)
     assert (h["step"], h["rank"], h["straggler"], h["wait_ns"]) == (0, 1, True, strag[0]["caused_wait_ns"])
     assert (h["collective"], h["module"], h["phase"]) == ("all_reduce", OUTSIDE, "backward")
     (c0, c1) = run.collectives()

@@ -113,6 +113,7 @@ def job(tmp_path_factory):
 @pytest.mark.slow
 def test_every_view_tells_the_same_step(job, capsys):
     from tl_dist.report.data import Run
+    from tl_dist.report.headline import headline
 
     out, results, g = job
     tb = g.time_breakdown().set_index(["step", "rank"])
@@ -139,7 +140,7 @@ def test_every_view_tells_the_same_step(job, capsys):
     # The report: its breakdown is time_breakdown; its headline names rank 1, its wait, the idle before.
     run = Run.of(g)
     assert {(b["step"], b["rank"]): b["window_ns"] for b in run.breakdown()} == tb["window_ns"].to_dict()
-    h = run.headline()
+    h = headline(run)
     assert (h["rank"], h["straggler"], h["wait_ns"]) == (1, True, ref[h["step"]][1])
     assert h["phase"] == "idle before its first op"
     html = open(g.report(out / "r.html")).read()

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import member_waits, step_timing, trace_breakdown
 from ..schema import OUTSIDE, PHASES, module_name
-from ..step_facts import straggler
 from ..telemetry import collective_rows
 from ..views.graph import home_calls
 
@@ -506,45 +505,6 @@ class Run:
             for (s, r), rows in sorted(self.scan().bandwidth.items())
             for row in rows
         ]
-
-    def headline(self) -> dict[str, Any] | None:
-        """The answer for the slowest step (largest window on any rank): which rank (the straggler, as
-        :func:`tl_dist.step_facts.straggler` defines it, else the rank with that window), how long (the others'
-        wait for it, else its window), which phase (that rank's phase with the most op time, or its idle time
-        before its first op when longer) and which module (of the collective the others waited at longest,
-        else of that rank's slowest op). None without windows."""
-        rows = self.breakdown()
-        if not rows:
-            return None
-        worst = max(rows, key=lambda b: (b["window_ns"], -b["step"], -b["rank"]))
-        step = worst["step"]
-        late = straggler([s for s in self.stragglers() if s["step"] == step])
-        rank, module, collective = worst["rank"], "", ""
-        if late is not None:
-            rank = late[0]
-            waited = [c for c in self.collectives() if c["step"] == step and c["last_rank"] == rank]
-            if waited:
-                c = max(waited, key=lambda c: c["skew_ns"])
-                module, collective = c["module"], c["func"]
-        if not module:
-            mine = [o for o in self.slowest_ops() if (o["step"], o["rank"]) == (step, rank)]
-            module = mine[0]["module"] if mine else ""
-        facts = next(b for b in rows if (b["step"], b["rank"]) == (step, rank))
-        phases = self.scan().phase_ns.get((step, rank), {})
-        phase, phase_ns = max(phases.items(), key=lambda kv: kv[1], default=("", 0))
-        if facts["idle_before_ns"] > phase_ns:
-            phase, phase_ns = "idle before its first op", facts["idle_before_ns"]
-        return {
-            "step": step,
-            "window_ns": worst["window_ns"],
-            "rank": rank,
-            "straggler": late is not None,
-            "wait_ns": late[1] if late is not None else 0,
-            "collective": collective,
-            "module": module,
-            "phase": phase,
-            "phase_ns": phase_ns,
-        }
 
     def stragglers(self) -> list[dict[str, Any]]:
         if self.merged is None:

@@ -13,6 +13,7 @@ from ..errors import MissingToolError
 from ..schema import PHASES
 from ..views.summary import format_bytes, format_count, format_ns
 from .data import Run, short_source
+from .headline import headline
 
 MAX_BANDWIDTH_ROWS = 200  # per (step, rank, kind, group) busbw rows shown
 _COLOURS = {"compute": "#4e79a7", "comm": "#f28e2b", "wait": "#e15759"}
@@ -179,7 +180,7 @@ class Page:
         return self._headline() + _table(["", ""], facts, cls="facts") + self._plot("steptime", figure)
 
     def _headline(self) -> str:
-        h = self.run.headline()
+        h = headline(self.run)
         if h is None:
             return ""
         where = f" in <b>{html.escape(h['module'])}</b>" if h["module"] else ""
