@@ -105,3 +105,33 @@ def test_the_lightning_straggler_is_the_merge_rule_on_gathered_arrivals():
     # Nobody waited (simultaneous arrivals), or nothing joined (one rank only): no straggler.
     assert step_straggler(0, [row(((world, 1, 100, 500),)), row(((world, 1, 100, 500),))]) is None
     assert step_straggler(0, [row(((world, 1, 100, 500),))]) is None
+
+
+def test_a_real_window_sleeping_before_its_first_op():
+    import time
+
+    import torch
+
+    import tl_dist as tl
+    from tl_dist.step_facts import window_facts
+    from tl_dist.telemetry import summarize
+    from tl_dist.views.summary import format_ns
+
+    model, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    model(x)  # the first dispatch-mode use is slow: warm up outside the window
+    with tl.capture() as cap:
+        time.sleep(0.02)  # the data loader
+        model(x)
+    meta, cols = cap.trace.metadata, cap.trace.columns
+    f = window_facts(cap.trace)
+    assert f["window_ns"] == meta["window_end_ns"] - meta["window_start_ns"]
+    assert f["idle_before_ns"] == min(cols["start_ns"]) - meta["window_start_ns"] >= 20_000_000
+    t = summarize(cap.trace)
+    assert (t.wall_ns, t.idle_before_ns, t.idle_after_ns) == (
+        f["window_ns"],
+        f["idle_before_ns"],
+        f["idle_after_ns"],
+    )
+    assert f"window {format_ns(f['window_ns'])} (enter -> leave): idle {format_ns(f['idle_before_ns'])}" in (
+        cap.trace.summary()
+    )
