@@ -250,7 +250,7 @@ class Page:
                     )
                 ],
                 "layout": _layout(
-                    f"Step {step}: compute / communication / waiting per rank (ms)",
+                    f"Step {step}: compute / communication / waiting per rank (ms; step facts, docs/telemetry.md)",
                     height,
                     barmode="group",
                     xaxis=_axis("ms"),
@@ -479,7 +479,7 @@ class Page:
                     }
                 ],
                 "layout": _layout(
-                    "Others' wait each rank caused, all steps (ms)",
+                    "Others' wait each rank caused, all steps (ms; the straggler of a step has the most)",
                     300,
                     xaxis=_axis("", type="category"),
                     yaxis=_axis("ms"),
