@@ -52,6 +52,9 @@ def test_a_hung_collective_counts_until_the_window_end():
     # compute [100, 200); a collective issued at 300 never completed; the window ended at 10_000.
     f = _facts([False, True], [100, 300], [100, 5], window=(0, 10_000), hung=[300])
     assert (f["comm_ns"], f["window_ns"], f["idle_after_ns"]) == (10_000 - 300, 10_000, 10_000 - 305)
+    # Only the end recorded (a post-mortem of an old shard): the window starts at the first op, 100.
+    f = _facts([False, True], [100, 300], [100, 5], window=(None, 10_000), hung=[300])
+    assert (f["comm_ns"], f["window_ns"], f["idle_before_ns"]) == (10_000 - 300, 10_000 - 100, 0)
 
 
 def test_a_window_without_ops_is_all_idle():

@@ -90,9 +90,9 @@ def local_facts(
     e[p[ok]] = complete[keep][ok]
     first = int(starts.min())
     last = int((starts + durations).max())
-    if lo is None or hi is None:
-        lo, hi = first, last
-    lo, hi = int(lo), int(hi)
+    # What the shard did not record: the first op's start, the last op's end.
+    lo = first if lo is None else int(lo)
+    hi = last if hi is None else int(hi)
     if hung is not None and len(hung):
         s = np.concatenate([s, hung.astype(np.int64)])
         e = np.concatenate([e, np.full(len(hung), hi, dtype=np.int64)])
