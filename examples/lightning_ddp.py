@@ -103,7 +103,7 @@ def main() -> None:
             rows = [r for r in csv.DictReader(f) if r.get("tl/step_flops")]
         last = rows[-1]
         print(f"\nstep {last['step']} (rank 0 writes the metrics of every rank):")
-        for name in ("tl/forward_ms", "tl/backward_ms", "tl/optimizer_ms", "tl/comm_ms", "tl/slowest_rank"):
+        for name in ("tl/forward_ms", "tl/backward_ms", "tl/optimizer_ms", "tl/comm_ms", "tl/straggler_rank"):
             print(f"  {name:<18} {float(last[name]):10.3f}")
         print(f"\nmetrics:       {metrics}")
         print(f"shards:        {telemetry.shard_dir}/rank*/step*.h5 (steps {telemetry.captured_steps})")

@@ -179,6 +179,7 @@ class OtelSink:
         self._trouble = Trouble(self.name)
         self._window_spans: WindowSpans | None = None
         self._window_metrics: WindowMetrics | None = None
+        self._late: tuple[tuple[int, int] | None] | None = None  # on_straggler's last value, boxed
         self._ready = False
 
     @property
@@ -195,6 +196,23 @@ class OtelSink:
                 self._window_spans.emit(trace, telemetry)
             if self._window_metrics is not None:
                 self._window_metrics.record(trace, telemetry)
+                if self._late is not None:
+                    self._window_metrics.straggler(self._late[0])
+
+    def on_straggler(self, late: tuple[int, int] | None) -> None:
+        """The last captured step's straggler, ``(rank, wait_ns)`` or None (:func:`tl_dist.step_facts.straggler`),
+        from a caller that sees every rank (the Lightning callback): the ``tl.step.straggler_rank`` and
+        ``tl.step.straggler_wait`` gauges. Cheap (no export); kept for the next window when metrics are not
+        built yet.
+
+        Example:
+            >>> sink.on_straggler((1, 30_000_000))  # rank 1; the others waited 30 ms for it
+        """
+        self._late = (late,)
+        metrics = self._window_metrics
+        if metrics is not None and metrics.rank is not None:  # else on_window sets them, with the tl.rank
+            with quiet(self._trouble):
+                metrics.straggler(late)
 
     def _setup(self, metadata: Mapping[str, Any]) -> None:
         """Build the providers this sink owns (their resource needs the rank and run id of a window). Tried

@@ -55,6 +55,17 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
         "1",
         "Model FLOPs utilisation of the last window (only when the peak is known).",
     ),
+    "tl.step.straggler_rank": (
+        "gauge",
+        "1",
+        "The last captured step's straggler (tl_dist.step_facts.straggler: the rank the others waited for "
+        "longest); -1 when nobody waited. Set by a caller that sees every rank (the Lightning callback).",
+    ),
+    "tl.step.straggler_wait": (
+        "gauge",
+        "s",
+        "How long the others waited for the last captured step's straggler (0 when nobody waited).",
+    ),
     "tl.collective.busbw": (
         "gauge",
         "By/s",
@@ -98,6 +109,17 @@ class WindowMetrics:
         if found is None:
             found = self._attrs[key] = {**attrs, "tl.rank": self._rank}
         return found
+
+    @property
+    def rank(self) -> int | None:
+        """The rank of the windows recorded so far (None before the first)."""
+        return self._rank
+
+    def straggler(self, late: tuple[int, int] | None) -> None:
+        """Set the straggler gauges: ``late`` is ``(rank, wait_ns)`` (:func:`tl_dist.step_facts.straggler`)."""
+        attrs = self._attributes(("rank",))
+        self.instruments["tl.step.straggler_rank"].set(late[0] if late is not None else -1, attrs)
+        self.instruments["tl.step.straggler_wait"].set(late[1] * 1e-9 if late is not None else 0.0, attrs)
 
     def record(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
         rank = int(trace.metadata.get("rank", 0))

@@ -9,10 +9,11 @@ Tree (``module_depth=2``)::
       <root> forward                        first -> last op of the call
         encoder forward
           encoder.layers.0 forward
-            all_reduce                      a collective issued inside that call
+            all_reduce                      a collective issued and completed inside that call
       <root> backward                       first -> last backward op of the call's forward ops
         encoder backward ...
-      all_reduce                            DDP's bucket all-reduce (issued by the engine, outside modules)
+      all_reduce                            DDP's bucket all-reduce, or any collective still in flight after
+                                            its call's last op (tl.module names its owner module)
       add_                                  an op (only with spans="op"); optimizer ops sit under tl.step
 """
 
@@ -183,6 +184,7 @@ class WindowSpans:
         table = trace.collective_table
         phases = trace.columns["phase"]
         labels = trace.columns["label"]
+        modules, stacks = trace.columns["module"], trace.columns["module_stack"]
         tracer = self.tracer
         for k, op in enumerate(table["op"]):
             issue, complete = table["issue_ns"][k], table["complete_ns"][k]
@@ -201,6 +203,8 @@ class WindowSpans:
                 "tl.collective.backend": table["backend"][k],
                 "tl.op.label": labels[op],
                 "tl.phase": phases[op],
+                # The owner rule of every view (schema.module_name), also where the span sits under tl.step.
+                "tl.module": module_label(modules[op]) if stacks[op] else OUTSIDE,
             }
             for field in ("reduce_op",):
                 if table[field][k]:
@@ -209,15 +213,16 @@ class WindowSpans:
                 if table[field][k] >= 0:
                     attributes[f"tl.collective.{field}"] = table[field][k]
             start = issue if issue >= 0 else trace.columns["start_ns"][op]
+            end = complete if done else max(window_end, start)
             span = tracer.start_span(
                 table["func"][k],
-                context=calls.context_of(op, contexts, step_ctx),
+                context=calls.context_within(op, start, end, contexts, step_ctx),
                 attributes=attributes,
                 start_time=start,
             )
             if not done:
                 span.set_status(Status(StatusCode.ERROR, "issued, never seen complete in the window"))
-            span.end(end_time=complete if done else max(window_end, start))
+            span.end(end_time=end)
 
     def _ops(self, trace: Trace, calls: _CallSpans, contexts: dict, step_ctx: Any) -> None:
         cols = trace.columns
@@ -284,6 +289,16 @@ class _CallSpans:
                 acc[1] = max(acc[1], start + dur)
                 acc[2] += 1
                 acc[3] += fl
+        ct = trace.collective_table
+        for op, issue, complete, is_async in zip(ct["op"], ct["issue_ns"], ct["complete_ns"], ct["is_async"]):
+            # A blocking collective's span (issue -> observed completion) may start or end a little outside
+            # its op: its call's span covers it. An async one still in flight after its call's last op hangs
+            # under tl.step instead (context_within), not stretching the module's time.
+            phase, row = self.call_of(op) if 0 <= op < len(cols["phase"]) else ("", -1)
+            acc = self.bounds.get(phase, {}).get(row) if row >= 0 else None
+            if acc is not None and not is_async and complete >= issue >= 0:
+                acc[0] = min(acc[0], issue)
+                acc[1] = max(acc[1], complete)
         for per_call in self.bounds.values():
             for r in range(n_calls - 1, -1, -1):  # children (higher rows) before their parents
                 acc, p = per_call.get(r), parent[r]
@@ -341,6 +356,15 @@ class _CallSpans:
                 span.end(end_time=end)
                 contexts[(phase, r)] = trace_api.set_span_in_context(span)
         return contexts
+
+    def context_within(self, i: int, start: int, end: int, contexts: dict, step_ctx: Any) -> Any:
+        """:meth:`context_of`, unless [start, end] is not inside that module span (an async collective still in
+        flight after its call's last op: DDP's buckets): then the step's, so no span ends after its parent."""
+        phase, row = self.call_of(i)
+        bounds = self.bounds.get(phase, {}).get(row) if row >= 0 else None
+        if bounds is None or start < bounds[0] or end > bounds[1]:
+            return step_ctx
+        return contexts.get((phase, row), step_ctx)
 
     def context_of(self, i: int, contexts: dict, step_ctx: Any) -> Any:
         """The context of the module span op ``i`` ran under (the step's outside module spans)."""

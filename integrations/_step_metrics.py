@@ -13,6 +13,11 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tl_dist.merge.clocks import estimate_clocks
+from tl_dist.merge.match import Entry, Joined
+from tl_dist.merge.timing import step_timing, straggler_rows
+from tl_dist.step_facts import straggler
+
 if TYPE_CHECKING:
     from tl_dist.telemetry import StepTelemetry
 
@@ -88,6 +93,50 @@ def rank_module_values(t: StepTelemetry, timed: Sequence[str], every: Sequence[s
     return out
 
 
+MAX_ARRIVALS = 1024
+"""Collectives per rank and step the straggler is computed from (the first ones; NB: a step with more is
+judged on its first MAX_ARRIVALS)."""
+_ARRIVAL = 4  # group key, seq, issue_ns, complete_ns
+
+
+def rank_arrivals(t: StepTelemetry | None, metadata: dict) -> list[int]:
+    """This rank's fixed-length int row for the straggler: its clock's key (host and boot, as the merge tells
+    clocks apart), how many arrivals follow, then (group key, seq, issue_ns, complete_ns) per completed
+    collective (``StepTelemetry.arrivals``), zero-padded to :data:`MAX_ARRIVALS`."""
+    boot = metadata.get("boot_id") or ""
+    clock = zlib.crc32(f"{metadata.get('host') or ''}\n{boot}".encode()) if boot else -1
+    arrivals = t.arrivals[:MAX_ARRIVALS] if t is not None else ()
+    row = [clock, len(arrivals)]
+    for group, seq, issue, complete in arrivals:
+        row += [zlib.crc32(",".join(map(str, group)).encode()), seq, issue, complete]
+    return row + [0] * (2 + _ARRIVAL * MAX_ARRIVALS - len(row))
+
+
+def step_straggler(step: int, rows: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """The straggler of a step from the gathered :func:`rank_arrivals` rows (``rows[r]`` of rank ``r``):
+    ``tl_dist.step_facts.straggler`` of the rows the merge's ``stragglers()`` computes, by the same code (the
+    collectives joined by (group, seq), clocks estimated as the merge estimates them)."""
+    by_key: dict[tuple[int, int], dict[int, Entry]] = {}
+    clock_of: dict[int, tuple] = {}
+    for rank, row in enumerate(rows):
+        clock_of[rank] = ("host", row[0]) if row[0] != -1 else ("rank", rank)
+        for k in range(int(row[1])):
+            key, seq, issue, complete = (int(v) for v in row[2 + _ARRIVAL * k : 2 + _ARRIVAL * (k + 1)])
+            by_key.setdefault((key, seq), {})[rank] = Entry(
+                rank, k, -1, "", (), "", seq, -1, -1, 0, 0, "", 0, False, issue, complete, "completed",
+                "", "", "", False, (0, 0, 0),
+            )  # fmt: skip
+    joined = [
+        Joined(step, tuple(sorted(entries)), str(key), entries, tuple(sorted(entries)), ())
+        for (key, _seq), entries in by_key.items()
+        if len(entries) >= 2
+    ]
+    if not joined:
+        return None
+    clocks = estimate_clocks(joined, clock_of)
+    return straggler(straggler_rows(step, joined, step_timing(joined, clocks)))
+
+
 def step_metrics(
     scalars: Sequence[Sequence[float]],
     modules: Sequence[Sequence[float]] | None,
@@ -95,10 +144,11 @@ def step_metrics(
     every: Sequence[str],
     *,
     statistics: bool,
+    late: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """The logged metrics of one captured step from the gathered rows (``scalars[r]``, ``modules[r]`` of rank
-    ``r``; ``modules`` None when the ranks' module trees differ). Definitions: ``docs/lightning.md``."""
-    world = len(scalars)
+    ``r``; ``modules`` None when the ranks' module trees differ; ``late``: the step's straggler,
+    :func:`step_straggler`). Definitions: ``docs/lightning.md``."""
 
     def column(name: str) -> list[float]:
         return [row[_AT[name]] for row in scalars]
@@ -121,11 +171,13 @@ def step_metrics(
         metrics["tl/recompute_ms"] = mean(recompute) / 1e6
     metrics["tl/comm_ms"] = mean(comm) / 1e6
     for r, row in enumerate(scalars):
+        metrics[f"tl/rank{r}/step_ms"] = row[_AT["wall_ns"]] / 1e6  # the window, enter -> leave
         metrics[f"tl/rank{r}/compute_ms"] = row[_AT["compute_ns"]] / 1e6
         metrics[f"tl/rank{r}/comm_ms"] = row[_AT["comm_ns"]] / 1e6
-    # The rank the others wait for arrives last at the collectives, so it spends the least time in them
-    # (window starts differ between ranks, so wall time does not tell).
-    metrics["tl/slowest_rank"] = float(min(range(world), key=lambda r: (comm[r], r)))
+    # The straggler (tl_dist.step_facts.straggler): the rank the others waited for longest, and that wait;
+    # -1 and 0 when nobody waited beyond the clock uncertainty.
+    metrics["tl/straggler_rank"] = float(late[0]) if late is not None else -1.0
+    metrics["tl/straggler_wait_ms"] = late[1] / 1e6 if late is not None else 0.0
     if statistics:
         metrics["tl/nonfinite_ranks"] = sum(column("nonfinite"))
     if modules is None:

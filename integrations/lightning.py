@@ -52,9 +52,11 @@ from ._step_metrics import (
     module_addresses,
     modules_key,
     nonfinite_message,
+    rank_arrivals,
     rank_module_values,
     rank_scalars,
     step_metrics,
+    step_straggler,
 )
 
 __all__ = ["NonFiniteError", "TelemetryCallback"]
@@ -339,7 +341,13 @@ class TelemetryCallback(pl.Callback):
         if all(row[key_at] == self._key for row in rows) and (self._timed or self._every):
             modules = _gather(trainer, rank_module_values(telemetry, self._timed, self._every))
         if logging:
-            metrics = step_metrics(rows, modules, self._timed, self._every, statistics=statistics)
+            arrivals = _gather(trainer, rank_arrivals(telemetry, cap.trace.metadata), torch.int64)
+            late = step_straggler(step, arrivals)
+            for sink in self.sinks:  # e.g. OtelSink: the tl.step.straggler_* gauges (Prometheus)
+                on_straggler = getattr(sink, "on_straggler", None)
+                if on_straggler is not None:
+                    on_straggler(late)
+            metrics = step_metrics(rows, modules, self._timed, self._every, statistics=statistics, late=late)
             _log(trainer, metrics, step)
         if statistics:
             self._check_nonfinite(trainer, step, rows, telemetry)
@@ -394,9 +402,9 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _gather(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
+def _gather(trainer: pl.Trainer, values: list, dtype: torch.dtype = torch.float64) -> list[list]:
     """Every rank's ``values`` (rank order), gathered with the strategy."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    tensor = torch.tensor(values, dtype=dtype, device=trainer.strategy.root_device)
     gathered = trainer.strategy.all_gather(tensor)
     if gathered.dim() == 1:  # a single-device strategy returns the tensor itself
         gathered = gathered.unsqueeze(0)

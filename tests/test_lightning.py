@@ -36,6 +36,7 @@ from torch.optim import optimizer as optim_module
 import tl_dist as tl
 from tl_dist.arm import armed
 from tl_dist.integrations.lightning import NonFiniteError, TelemetryCallback
+from tl_dist.step_facts import straggler
 
 HERE = Path(__file__).resolve().parent
 PEAK = 1e12  # FLOP/s per device given to the callback, for tl/mfu
@@ -57,8 +58,9 @@ def summaries(shard_dir: Path, step: int, world: int) -> list:
     ]
 
 
-def expected_metrics(ts: list) -> dict[str, float]:
-    """The step metrics of docs/lightning.md, written out from the per-rank summaries."""
+def expected_metrics(ts: list, late: tuple[int, int] | None = None) -> dict[str, float]:
+    """The step metrics of docs/lightning.md, written out from the per-rank summaries and the step's straggler
+    (``late``: step_facts.straggler of the merged shards' stragglers)."""
     world = len(ts)
     flops = sum(t.total_flops for t in ts)
     fps = flops / (max(t.wall_ns for t in ts) / 1e9)
@@ -67,9 +69,11 @@ def expected_metrics(ts: list) -> dict[str, float]:
         m[f"tl/{phase}_ms"] = sum(t.op_ns[phase] for t in ts) / world / 1e6
     m["tl/comm_ms"] = sum(t.comm_ns for t in ts) / world / 1e6
     for r, t in enumerate(ts):
+        m[f"tl/rank{r}/step_ms"] = t.wall_ns / 1e6
         m[f"tl/rank{r}/compute_ms"] = t.compute_ns / 1e6
         m[f"tl/rank{r}/comm_ms"] = t.comm_ns / 1e6
-    m["tl/slowest_rank"] = min(range(world), key=lambda r: (ts[r].comm_ns, r))  # least time waiting
+    m["tl/straggler_rank"] = late[0] if late is not None else -1
+    m["tl/straggler_wait_ms"] = late[1] / 1e6 if late is not None else 0.0
     m["tl/nonfinite_ranks"] = 0
     shallow = [a for a in ADDRESSES if a.count(".") <= 1]  # depth <= 2
     mean_ms = {
@@ -167,8 +171,10 @@ def test_ddp_spawn_writes_shards_at_the_chosen_steps_and_merges(spawn_run):
 def test_ddp_spawn_logs_what_the_shards_say(spawn_run):
     log_dir, _ = spawn_run
     rows = logged_rows(log_dir / "metrics.csv")
+    strag = tl.merge_ranks(log_dir / "tl_dist").stragglers()
     for step in (0, 3, 6):
-        want = expected_metrics(summaries(log_dir / "tl_dist", step, 2))
+        late = straggler(strag[strag.step == step].to_dict("records"))
+        want = expected_metrics(summaries(log_dir / "tl_dist", step, 2), late)
         got = rows[step]
         assert sorted(got) == sorted(want), step
         for name, value in want.items():

@@ -70,7 +70,11 @@ def test_summary_names_finding_and_straggler(merged):
     text = merged.summary()
     assert "size_mismatch" in text and "train.py:11" in text
     assert "step 0: rank 1 2000.010 +- 0.020 vs rank 0 (3)" in text  # the clock offset, ms
-    assert "step 0: rank 1 5.980 (1.010), rank 0 1.010 (5.980)" in text  # 2 x 2.99 ms caused; 1.01 ms
+    # 2 x 2.99 ms caused; 1.01 ms. The straggler (step_facts.straggler): the most caused, rank 1.
+    assert (
+        "step 0: straggler rank 1, the others waited 5.980 ms; rank 1 5.980 (1.010), rank 0 1.010 (5.980)"
+        in text
+    )
 
 
 def test_perfetto_json(merged, tmp_path):

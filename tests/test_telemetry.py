@@ -305,3 +305,34 @@ def test_torch_compile_module_is_transparent():
 def test_selector_that_matches_nothing_warns():
     with pytest.warns(UserWarning, match=r"save=tl.func\('relux'\) matched no op"):
         tl.trace(mlp(), torch.randn(2, 4), save=tl.func("relux"))
+
+
+def test_every_module_output_has_a_norm_views_included():
+    # nn.Linear on 3-D input returns a view (_unsafe_view of a mm); the Sequential returns its last child's.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+    x = torch.randn(2, 5, 4)
+    # Reference: plain PyTorch, no capture: each module's output and the gradient of y.sum() w.r.t. it.
+    ref, outs = model(), {}
+
+    def keep(name):
+        def hook(_mod, _inp, out):
+            out.retain_grad()
+            outs[name] = out
+
+        return hook
+
+    for name, mod in ref.named_modules():
+        mod.register_forward_hook(keep(name))
+    ref(x).sum().backward()
+    m = model()
+    with tl.capture(options=tl.CaptureOptions(stats=True)) as cap:
+        m(x).sum().backward()
+    norms = {(r.module, r.of): r.norm for r in summarize(cap.trace).norms}
+    for name, out in outs.items():
+        assert norms[(name, "out")] == pytest.approx(torch.linalg.vector_norm(out).item(), rel=1e-6), name
+        assert norms[(name, "grad")] == pytest.approx(torch.linalg.vector_norm(out.grad).item(), rel=1e-6), (
+            name
+        )

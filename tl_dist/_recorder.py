@@ -519,6 +519,7 @@ class Recorder:
             modules_out = self.output_of.setdefault(index, [])
             if address not in modules_out:  # several output leaves of one module from one op count once
                 modules_out.append(address)
+            self.training.module_out_stats(index, leaf)
             selector = self.save_selector
             if selector is not None and index not in self.saved:
                 view = RowView(self.rows[index], tuple(self.output_of[index]))

@@ -14,7 +14,9 @@ Definitions (docs/telemetry.md has them all):
 
 - Inclusive per-module numbers count an op for every module on its ``module_stack``; backward ops carry the
   stack of the forward op they differentiate, so a module's backward time is the backward of its forward.
-- ``wall_ns`` is the window's wall-clock time; ``flops_per_second`` = all FLOPs / wall time, as MFU is defined.
+- ``wall_ns``, ``idle_before_ns``, ``idle_after_ns``, ``compute_ns``, ``comm_ns`` are the window's step facts
+  (:mod:`tl_dist.step_facts`: the same numbers ``time_breakdown()`` and the report show); ``flops_per_second`` =
+  all FLOPs / wall time, as MFU is defined.
 - Collective bandwidth follows nccl-tests: ``algbw = size / time`` with ``size`` the larger of the input and
   output buffers, and ``busbw = algbw * factor``: ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather,
   reduce_scatter, all_to_all, gather and scatter, ``1`` for broadcast, reduce and point-to-point.
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .schema import DEVICE_PEAK_FLOPS, OUTSIDE, PHASES, bus_factor, module_name  # noqa: F401 (old paths)
+from .step_facts import bus_bandwidth, window_facts
 from .trace import first_nonfinite, nonfinite_value
 
 if TYPE_CHECKING:
@@ -115,8 +118,8 @@ class StepTelemetry:
     op_ns: dict[str, int]
     flops: dict[str, int]
     total_flops: int
-    compute_ns: int  # time in ops that are not collectives
-    comm_ns: int  # collectives in flight: union of [issue, completion] intervals
+    compute_ns: int  # time in ops that are not collectives (step_facts)
+    comm_ns: int  # time covered by at least one collective (step_facts)
     flops_per_second: float
     peak_flops: float | None
     mfu: float | None
@@ -127,6 +130,11 @@ class StepTelemetry:
     norms: tuple[NormRow, ...]
     nonfinite: tuple[NonfiniteRow, ...]
     first_nonfinite: dict[str, Any] | None  # label, index, func, module, source, phase (stats only)
+    idle_before_ns: int = 0  # window start -> first op (step_facts)
+    idle_after_ns: int = 0  # last op end -> window end (step_facts)
+    # Per completed collective (not p2p): (group ranks, seq, issue_ns, complete_ns) -- what the straggler is
+    # computed from once the ranks' rows are gathered (the Lightning callback: tl/straggler_rank).
+    arrivals: tuple[tuple[tuple[int, ...], int, int, int], ...] = ()
 
     def frame(self, table: str) -> pd.DataFrame:
         """One of ``modules``, ``funcs``, ``collectives``, ``norms``, ``nonfinite`` as a pandas DataFrame.
@@ -189,7 +197,7 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     cols = trace.columns
     meta = trace.metadata
     phases, durations, flops = cols["phase"], cols["duration_ns"], cols["flops"]
-    out_bytes, kinds = cols["out_bytes"], cols["kind"]
+    out_bytes = cols["out_bytes"]
     n = len(durations)
 
     op_ns = dict.fromkeys(PHASES, 0)
@@ -198,14 +206,11 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     by_stack: dict[tuple[tuple[str, ...], str], list[int]] = {}
     by_func: dict[tuple[str, str], list[int]] = {}
     dtype_flops: dict[str, int] = {}
-    compute_ns = 0
-    for i, (stack, phase, func, dur, fl, nbytes, kind) in enumerate(
-        zip(cols["module_stack"], phases, cols["func"], durations, flops, out_bytes, kinds)
+    for i, (stack, phase, func, dur, fl, nbytes) in enumerate(
+        zip(cols["module_stack"], phases, cols["func"], durations, flops, out_bytes)
     ):
         op_ns[phase] = op_ns.get(phase, 0) + dur
         phase_flops[phase] = phase_flops.get(phase, 0) + fl
-        if kind != "collective":
-            compute_ns += dur
         acc = by_stack.get((stack, phase))
         if acc is None:
             acc = by_stack[(stack, phase)] = [0, 0, 0, 0]
@@ -228,13 +233,14 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     funcs = tuple(
         FuncRow(func, phase, *acc) for (func, phase), acc in sorted(by_func.items(), key=lambda kv: -kv[1][1])
     )
-    wall_ns = _wall_ns(trace, n)
+    facts = window_facts(trace)
+    wall_ns = facts["window_ns"]
     total_flops = sum(phase_flops.values())
     fps = total_flops / (wall_ns / 1e9) if wall_ns > 0 else 0.0
     device = meta.get("device_name", "")
     if peak_flops is None and device and dtype_flops:
         peak_flops = peak_flops_for(device, max(dtype_flops, key=dtype_flops.get))
-    collectives, comm_ns = _collective_rows(trace.collective_table)
+    collectives = collective_rows(trace.collective_table)
     norms, nonfinite = _stat_rows(trace)
     first = None
     if trace.stats_table["op"]:
@@ -257,8 +263,8 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         op_ns=op_ns,
         flops=phase_flops,
         total_flops=total_flops,
-        compute_ns=compute_ns,
-        comm_ns=comm_ns,
+        compute_ns=facts["compute_ns"],
+        comm_ns=facts["comm_ns"],
         flops_per_second=fps,
         peak_flops=float(peak_flops) if peak_flops is not None else None,
         mfu=fps / peak_flops if peak_flops else None,
@@ -269,18 +275,20 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         norms=norms,
         nonfinite=nonfinite,
         first_nonfinite=first,
+        idle_before_ns=facts["idle_before_ns"],
+        idle_after_ns=facts["idle_after_ns"],
+        arrivals=_arrivals(trace.collective_table),
     )
 
 
-def _wall_ns(trace: Trace, n: int) -> int:
-    meta = trace.metadata
-    start, end = meta.get("window_start_ns"), meta.get("window_end_ns")
-    if start is not None and end is not None:
-        return int(end - start)
-    if not n:  # a shard from before windows recorded their span: first op start to last op end
-        return 0
-    cols = trace.columns
-    return max(s + d for s, d in zip(cols["start_ns"], cols["duration_ns"])) - min(cols["start_ns"])
+def _arrivals(table: dict[str, list]) -> tuple[tuple[tuple[int, ...], int, int, int], ...]:
+    return tuple(
+        (tuple(ranks), seq, issue, complete)
+        for ranks, seq, issue, complete, peer in zip(
+            table["group_ranks"], table["seq"], table["issue_ns"], table["complete_ns"], table["peer"]
+        )
+        if complete >= issue >= 0 and peer < 0
+    )
 
 
 def _module_rows(
@@ -340,9 +348,15 @@ def collective_bytes(in_numel: int, out_numel: int, dtype: str) -> int:
     return max(in_numel, out_numel) * _itemsize(dtype)
 
 
-def _collective_rows(table: dict[str, list]) -> tuple[tuple[CollectiveRow, ...], int]:
+def collective_rows(table: dict[str, list]) -> tuple[CollectiveRow, ...]:
+    """Per (kind, group) of one window's collective table: counts, bytes, time and bandwidth. busbw is
+    :func:`tl_dist.step_facts.bus_bandwidth` of the summed size and the summed issue -> completion time of the
+    completed ones on this rank (nccl-tests' definition); every view reports this one.
+
+    Example:
+        >>> [(r.kind, r.busbw) for r in collective_rows(trace.collective_table)]
+    """
     groups: dict[tuple[str, str], list] = {}
-    intervals: list[tuple[int, int]] = []
     for func, ranks, name, desc, in_numel, out_numel, dtype, issue, complete in zip(
         table["func"],
         table["group_ranks"],
@@ -363,29 +377,12 @@ def _collective_rows(table: dict[str, list]) -> tuple[tuple[CollectiveRow, ...],
             acc[2] += 1
             acc[3] += collective_bytes(in_numel, out_numel, dtype)
             acc[4] += complete - issue
-            intervals.append((issue, complete))
     rows = []
     for (func, group), (size, count, completed, nbytes, dur) in groups.items():
         algbw = nbytes / (dur / 1e9) if dur > 0 else 0.0
-        rows.append(
-            CollectiveRow(
-                func, group, size, count, completed, nbytes, dur, algbw, algbw * bus_factor(func, size)
-            )
-        )
-    return tuple(rows), _union_ns(intervals)
-
-
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    """Total length of the union of [start, end) intervals: async collectives in flight together count once."""
-    total, end = 0, None
-    for lo, hi in sorted(intervals):
-        if end is None or lo > end:
-            total += hi - lo
-            end = hi
-        elif hi > end:
-            total += hi - end
-            end = hi
-    return total
+        busbw = bus_bandwidth(func, size, nbytes, dur)
+        rows.append(CollectiveRow(func, group, size, count, completed, nbytes, dur, algbw, busbw))
+    return tuple(rows)
 
 
 def _stat_rows(trace: Trace) -> tuple[tuple[NormRow, ...], tuple[NonfiniteRow, ...]]:

@@ -67,6 +67,13 @@ def _stats_by_default(row: tuple) -> bool:
     return row[_PHASE] == "forward" and row[_KIND] != "view" and row[_FUNC] not in _NO_STATS
 
 
+def _module_output_stats(row: tuple) -> bool:
+    """Whether stats=True covers this op as a module's output although :func:`_stats_by_default` skips it (a
+    view, ``_unsafe_view``, ``clone``...: every ``nn.Linear`` on 3-D input ends in one): the tensor the module
+    returned gets its norm. Uninitialised memory still gets none."""
+    return row[_PHASE] == "forward" and not _stats_by_default(row) and "empty" not in row[_FUNC]
+
+
 def backward_link(token: object) -> int:
     """Index of the forward op whose autograd node is running now (-1 when unknown); called per backward op."""
     node = _current_node()
@@ -177,6 +184,7 @@ class TrainingState:
         self.grads: dict[int, list[Tensor | None]] = {}
         # (op index, "out" | "grad", op count when computed, device tensor of the 8 values)
         self._stat_rows: list[tuple[int, str, int, Tensor | list[float]]] = []
+        self._output_stats: set[int] = set()  # ops whose output statistics module_out_stats took
         self.stats_table = empty_columns(STAT_FIELDS)
         self.open = True  # gradient hooks act only while a window (or log_backward) is running
         self._node_handles: list[Any] = []
@@ -225,6 +233,7 @@ class TrainingState:
             for name, x in zip(_STAT_NAMES, finish_stats(v)):
                 table[name].append(x)
         self._stat_rows = []
+        self._output_stats = set()
         return table
 
     # -- per op (called by Recorder.on_op) ------------------------------------------------------------------
@@ -245,6 +254,20 @@ class TrainingState:
                 if values is not None:
                     self._stat_rows.append((index, "out", index, values))
                 return
+
+    def module_out_stats(self, index: int, leaf: Tensor) -> None:
+        """Statistics of a module's output leaf made by op ``index`` when ``stats=True`` skipped that op (see
+        :func:`_module_output_stats`), so every module output has its norm."""
+        if not self.stats_all or index in self._output_stats or leaf.dtype not in _FLOATS:
+            return
+        row = self.rec.rows[index]
+        if not _module_output_stats(row):
+            return
+        self._output_stats.add(index)
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            values = tensor_stats(leaf)
+        if values is not None:
+            self._stat_rows.append((index, "out", index, values))
 
     def forget_out_stats(self, index: int) -> None:
         """Drops op ``index``'s output statistics (an edit replaced the output after they were taken)."""
@@ -310,7 +333,11 @@ class TrainingState:
 
     def _selected(self, index: int) -> tuple[bool, bool]:
         """(keep the gradient, record its statistics) for forward op ``index``."""
-        keep, stats = self.grads_all, self.stats_all and _stats_by_default(self.rec.rows[index])
+        row = self.rec.rows[index]
+        stats = self.stats_all and (
+            _stats_by_default(row) or (index in self.rec.output_of and _module_output_stats(row))
+        )
+        keep = self.grads_all
         if not (keep and stats):
             view = RowView(self.rec.rows[index], tuple(self.rec.output_of.get(index, ())))
             keep = keep or (self.grads_selector is not None and self.grads_selector.match(view))

@@ -21,7 +21,7 @@ from .clocks import ClockSolution
 from .match import Finding, Joined
 from .sources import GivenPaths, Interner, RankData
 from .steps import join_step
-from .timing import step_timing
+from .timing import BREAKDOWN_COLUMNS, step_timing
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -205,8 +205,13 @@ class MergedTrace:
         ).reset_index(drop=True)
 
     def time_breakdown(self) -> Any:
-        """Per (step, rank): ops, compute_ns, comm_ns, wait_ns, window_ns (see ``timing.local_breakdown``)."""
+        """Per (step, rank): ops, the window's step facts (window_ns: enter -> leave, idle_before_ns,
+        idle_after_ns, compute_ns, comm_ns; :mod:`tl_dist.step_facts`) and wait_ns (its wait for others on the
+        aligned clock). Definitions: docs/telemetry.md, "Step facts".
+
+        Example:
+            >>> g.time_breakdown().query("step == 0")[["rank", "window_ns", "idle_before_ns", "wait_ns"]]
+        """
         import pandas as pd
 
-        columns = ["step", "rank", "ops", "compute_ns", "comm_ns", "wait_ns", "window_ns"]
-        return pd.DataFrame(self._breakdown_rows, columns=columns)
+        return pd.DataFrame(self._breakdown_rows, columns=list(BREAKDOWN_COLUMNS))

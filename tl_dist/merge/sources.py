@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import MergeError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, module_name
+from ..step_facts import local_facts, window_span
 from ..store import (
     ARRAY_DTYPES,
     load,
@@ -35,7 +36,6 @@ from ..store import (
 )
 from ..trace import Trace
 from .match import Entry
-from .timing import local_breakdown
 
 _SHARD_RE = re.compile(r"rank(\d+)[/\\]step(\d+)\.h5$")
 
@@ -187,6 +187,10 @@ class Interner:
         return list(map(self.strings.__getitem__, ids.tolist()))
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+_NO_OPS = (np.zeros(0, dtype=bool), _EMPTY, _EMPTY, (_EMPTY, _EMPTY, _EMPTY))
+
+
 class RankData:
     """What the merge keeps of one (step, rank) shard (see the module docstring)."""
 
@@ -200,7 +204,7 @@ class RankData:
         self.n_ops = 0
         self.entries: list[Entry] | None = []
         self.last_op: dict[str, Any] = {}
-        self.local = (0, 0, 0)  # compute_ns, comm_ns, window_ns (timing.local_breakdown)
+        self.local = local_facts(*_NO_OPS, window_span(metadata))  # step_facts.FACTS of the window
         self.first_ns = -1  # first op's start, epoch ns on the rank's clock
 
     @property
@@ -296,10 +300,9 @@ def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, 
         is_coll = ids(ops, op_cat, "kind") == names.id("collective")
         spans = ct["is_async"] & (ct["complete_ns"] >= 0)
         async_spans = (ct["op"][spans], ct["issue_ns"][spans], ct["complete_ns"][spans])
-        hung = None
-        if not data.complete:  # blocked in what never completed until the window ended
-            hung = (ct["issue_ns"][ct["complete_ns"] < 0], int(metadata.get("window_end_ns", 0)))
-        data.local = local_breakdown(is_coll, starts, durations, async_spans, hung)
+        # An incomplete shard was blocked in what never completed until the window ended.
+        hung = None if data.complete else ct["issue_ns"][ct["complete_ns"] < 0]
+        data.local = local_facts(is_coll, starts, durations, async_spans, window_span(metadata), hung)
         data.first_ns = int(starts.min())
         last = np.array([n - 1])
         module = names.strings[int(ids(ops, op_cat, "module", last)[0])]

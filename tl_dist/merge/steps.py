@@ -168,7 +168,7 @@ def collective_row(j: Joined, timing: StepTiming, k: int) -> tuple:
         int(timing.last_rank[k]),
         int(timing.uncertainty[k]),
         first.label,
-        first.module,
+        first.module_name,  # the owner rule of every view (schema.module_name): <root>, (outside modules)
         first.source,
         j.detail,
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..step_facts import FACTS, window_facts
 from .clocks import ClockSolution
 from .match import Joined
 from .members import Members, grouped_union
@@ -148,92 +149,16 @@ def straggler_rows(step: int, joined: list[Joined], st: StepTiming) -> list[dict
     ]
 
 
-def local_breakdown(
-    kind_is_collective: np.ndarray,
-    starts: np.ndarray,
-    durations: np.ndarray,
-    async_spans: tuple[np.ndarray, np.ndarray, np.ndarray],
-    hung: tuple[np.ndarray, int] | None = None,
-) -> tuple[int, int, int]:
-    """(compute_ns, comm_ns, window_ns) of one rank's window, from its op columns (no clocks needed).
-
-    ``comm_ns`` is the time covered by at least one collective: a blocking collective's op interval (which
-    includes its wait), an async one's issue-to-observed-completion interval (``async_spans``: op index, issue,
-    completion; the op itself only enqueues); overlapping collectives (DDP buckets in flight together) count
-    once. ``compute_ns`` sums every other op's duration; ``window_ns`` spans first op start to last op end.
-    ``hung`` (an incomplete shard: a hang, crash or signal): the issue times of its collectives that never
-    completed and the window's end; the rank was blocked in them until then, so they count as communication
-    up to that end and the window lasts until it.
-
-    Example:
-        >>> local_breakdown(np.array([False, True]), np.array([0, 10]), np.array([10, 5]),
-        ...                 (np.zeros(0, int), np.zeros(0, int), np.zeros(0, int)), (np.array([10]), 1000))
-        (10, 990, 1000)
-    """
-    n = len(starts)
-    if not n:
-        return 0, 0, 0
-    compute = int(durations[~kind_is_collective].sum())
-    ops = np.flatnonzero(kind_is_collective)
-    s = starts[ops].copy()
-    e = s + durations[ops]
-    position = np.full(n, -1, dtype=np.int64)
-    position[ops] = np.arange(len(ops))
-    op, issue, complete = async_spans
-    keep = (op >= 0) & (op < n)
-    p = position[op[keep]]
-    ok = p >= 0
-    s[p[ok]] = issue[keep][ok]
-    e[p[ok]] = complete[keep][ok]
-    end = int((starts + durations).max())
-    if hung is not None and len(hung[0]) and hung[1] > 0:
-        s = np.concatenate([s, hung[0]])
-        e = np.concatenate([e, np.full(len(hung[0]), hung[1], dtype=np.int64)])
-        end = max(end, int(hung[1]))
-    window = end - int(starts.min())
-    comm = int(grouped_union(np.zeros(len(s), dtype=np.int64), s, e)[1].sum())
-    return compute, comm, window
+def breakdown_row(step: int, rank: int, ops: int, facts: dict[str, int], wait_ns: int) -> dict[str, Any]:
+    """One row of ``MergedTrace.time_breakdown``: the window's step facts (:func:`tl_dist.step_facts.local_facts`)
+    and its wait on the aligned clock (:func:`straggler_rows`)."""
+    return {"step": step, "rank": rank, "ops": ops, **{k: facts[k] for k in FACTS}, "wait_ns": wait_ns}
 
 
-def breakdown_row(
-    step: int, rank: int, ops: int, local: tuple[int, int, int], wait_ns: int
-) -> dict[str, Any]:
-    """One row of ``MergedTrace.time_breakdown``."""
-    compute, comm, window = local
-    return {
-        "step": step,
-        "rank": rank,
-        "ops": ops,
-        "compute_ns": compute,
-        "comm_ns": comm,
-        "wait_ns": wait_ns,
-        "window_ns": window,
-    }
+BREAKDOWN_COLUMNS = ("step", "rank", "ops", *FACTS, "wait_ns")
+"""The columns of ``MergedTrace.time_breakdown()`` (docs/telemetry.md, "Step facts")."""
 
 
 def trace_breakdown(step: int, rank: int, trace: Any, wait_ns: int = 0) -> dict[str, Any]:
-    """:func:`breakdown_row` of one trace in memory (its columns as lists), e.g. for a one-trace report."""
-    cols = trace.columns
-    ct = trace.collective_table
-    is_async = np.asarray(ct["is_async"], dtype=bool)
-    complete = np.asarray(ct["complete_ns"], dtype=np.int64)
-    spans = is_async & (complete >= 0)
-    async_spans = (
-        np.asarray(ct["op"], dtype=np.int64)[spans],
-        np.asarray(ct["issue_ns"], dtype=np.int64)[spans],
-        complete[spans],
-    )
-    hung = None
-    if not trace.metadata.get("complete", True):
-        hung = (
-            np.asarray(ct["issue_ns"], dtype=np.int64)[complete < 0],
-            int(trace.metadata.get("window_end_ns", 0)),
-        )
-    local = local_breakdown(
-        np.array([k == "collective" for k in cols["kind"]], dtype=bool),
-        np.asarray(cols["start_ns"], dtype=np.int64),
-        np.asarray(cols["duration_ns"], dtype=np.int64),
-        async_spans,
-        hung,
-    )
-    return breakdown_row(step, rank, len(trace), local, wait_ns)
+    """:func:`breakdown_row` of one trace in memory, e.g. for a one-trace report."""
+    return breakdown_row(step, rank, len(trace), window_facts(trace), wait_ns)

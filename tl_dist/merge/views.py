@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..schema import OP_FIELDS, OUTSIDE
+from ..step_facts import straggler
 from ..views.summary import timing_caveat
 from .steps import COLLECTIVE_COLUMNS, collective_row  # noqa: F401 (moved to steps; old path)
 
@@ -186,11 +187,12 @@ def summary(g: MergedTrace) -> str:
     if len(blamed):
         lines.append("stragglers (others' wait caused, ms; own wait, ms):")
         for step, frame in blamed.groupby("step", sort=True):
+            rank, caused = straggler(frame.to_dict("records"))
             top = ", ".join(
                 f"rank {int(r.rank)} {_ms(r.caused_wait_ns)} ({_ms(r.wait_ns)})"
                 for r in frame.head(4).itertuples()
             )
-            lines.append(f"  step {step}: {top}")
+            lines.append(f"  step {step}: straggler rank {rank}, the others waited {_ms(caused)} ms; {top}")
     else:
         lines.append("stragglers: none beyond the clock uncertainty")
     if len(strag):
@@ -200,12 +202,12 @@ def summary(g: MergedTrace) -> str:
                     f"  step {step}: {_ms(ns)} ms of waits within the clock uncertainty, blamed on nobody"
                 )
     if len(tb):
-        lines.append("time per rank (ms): compute / communication / waiting / window")
+        lines.append("time per rank (ms): compute / communication / waiting / window (idle before first op)")
         if len(tb) <= 4 * _MAX_LINES:
             for r in tb.itertuples():
                 lines.append(
                     f"  step {r.step} rank {r.rank}: {_ms(r.compute_ns)} / {_ms(r.comm_ns)} / "
-                    f"{_ms(r.wait_ns)} / {_ms(r.window_ns)}  ({r.ops} ops)"
+                    f"{_ms(r.wait_ns)} / {_ms(r.window_ns)} ({_ms(r.idle_before_ns)})  ({r.ops} ops)"
                 )
         else:
             for step, frame in tb.groupby("step", sort=True):

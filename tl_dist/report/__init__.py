@@ -5,10 +5,11 @@ Example:
     >>> tl.trace(model, x).report("model.html")
     $ tl-dist report runs/job42 -o job42.html
 
-Sections: overview (ranks, steps, hosts, step time per rank), a timeline per rank of each step (compute,
+Sections: a headline (the slowest step: which rank, phase, module, how long), overview (ranks, steps, hosts,
+step time per rank), a timeline per rank of each step (compute,
 communication, waiting), time per module and per op func with FLOP/s and the slowest ops, collectives (table,
 bus bandwidth, wait heatmap, stragglers), findings, and statistics (norms per module over steps, the first
-non-finite value). Needs the ``tl_dist[report]`` extra (plotly, whose plotly.js is inlined: ~4.8 MB).
+non-finite value). Every time is a step fact (:mod:`tl_dist.step_facts`, docs/telemetry.md). Needs the ``tl_dist[report]`` extra (plotly, whose plotly.js is inlined: ~4.8 MB).
 """
 
 from __future__ import annotations

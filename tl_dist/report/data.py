@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import member_waits, step_timing, trace_breakdown
-from ..schema import OUTSIDE, PHASES, bus_factor, module_name
-from ..telemetry import collective_bytes
+from ..schema import OUTSIDE, PHASES, module_name
+from ..telemetry import collective_rows
 from ..views.graph import home_calls
 
 if TYPE_CHECKING:
@@ -29,25 +29,6 @@ if TYPE_CHECKING:
 TOP_OPS = 25
 MAX_COLLECTIVE_ROWS = 400
 MAX_HEATMAP_COLUMNS = 1500
-
-
-def bus_bandwidth(func: str, size: int, duration_ns: int, group_size: int) -> float:
-    """Bytes per second on the bus (nccl-tests' busbw, as :mod:`tl_dist.telemetry` defines it): ``size`` (the
-    larger buffer, :func:`~tl_dist.telemetry.collective_bytes`) / time x ``schema.bus_factor``; 0 when unknown.
-
-    Example:
-        >>> bus_bandwidth("all_reduce", 1000, 1000, 4)   # 1 GB/s x 2(4-1)/4
-        1500000000.0
-    """
-    if duration_ns <= 0 or size <= 0 or group_size < 1:
-        return 0.0
-    return size / (duration_ns / 1e9) * bus_factor(func, group_size)
-
-
-def _input_size(func: str, nbytes: int, group_size: int) -> int:
-    """The larger buffer of a joined collective from its members' largest input (``g.collectives`` keeps no
-    output sizes): all_gather and gather receive their input from every rank (the gathering rank's figure)."""
-    return nbytes * group_size if func in ("all_gather", "gather") else nbytes
 
 
 def _named(address: str | None) -> str:
@@ -89,7 +70,18 @@ def short_source(source: str) -> str:
 # Windows read whole for the module and statistics sections: beyond this many, a sample of whole steps' ranks.
 MAX_FULL_WINDOWS = 32
 # The op columns the sections over every window read (op functions, slowest ops, timeline, failed ops).
-SCAN_FIELDS = ("label", "func", "kind", "phase", "module", "source", "start_ns", "duration_ns", "flops")
+SCAN_FIELDS = (
+    "label",
+    "func",
+    "kind",
+    "phase",
+    "module",
+    "module_stack",
+    "source",
+    "start_ns",
+    "duration_ns",
+    "flops",
+)
 
 
 @dataclass
@@ -102,6 +94,9 @@ class _Scan:
     timeline: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # aligned ns, not yet shifted
     step_start: dict[int, int] = field(default_factory=dict)  # per step, its first op on the aligned clock
     failed: list[tuple[tuple[int, int], dict[str, Any]]] = field(default_factory=list)
+    # Per (step, rank): op ns per phase, and the window's telemetry.collective_rows (busbw, one definition).
+    phase_ns: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
+    bandwidth: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -231,6 +226,10 @@ class Run:
                 row["ns"] += dur
                 row["flops"] += flops
             durations = cols["duration_ns"]
+            phase_ns = scan.phase_ns[key] = {}
+            for phase, dur in zip(cols["phase"], durations):
+                phase_ns[phase] = phase_ns.get(phase, 0) + dur
+            scan.bandwidth[key] = collective_rows(t.collective_table)
             for i in heapq.nlargest(TOP_OPS, range(len(t)), key=durations.__getitem__):
                 scan.slowest.append((durations[i], key, i, self._op_row(key, t, i)))
             scan.slowest = heapq.nlargest(TOP_OPS, scan.slowest, key=lambda c: (c[0], c[1], c[2]))
@@ -247,11 +246,20 @@ class Run:
             "rank": key[1],
             "label": cols["label"][i],
             "phase": cols["phase"][i],
-            "module": _named(self.homes(key)[i] if key in self.full else cols["module"][i] or None),
+            "module": self._owner(key, t, i),
             "source": cols["source"][i],
             "ns": cols["duration_ns"][i],
             "flops": cols["flops"][i],
         }
+
+    def _owner(self, key: tuple[int, int], t: Trace, i: int) -> str:
+        """The module an op is listed under: a collective's is its row's (``schema.module_name``, the one rule the
+        Collectives table, ``to_pandas`` and the OTel spans use); any other op's is the module it is counted in
+        (its home: backward ops in their forward op's module, optimizer ops in their parameters')."""
+        cols = t.columns
+        if cols["kind"][i] == "collective" or key not in self.full:
+            return module_name({"module": cols["module"][i], "module_stack": cols["module_stack"][i]})
+        return _named(self.homes(key)[i])
 
     def _segments(self, key: tuple[int, int], t: Trace, scan: _Scan) -> None:
         """The window's compute runs and collectives, on the aligned clock (ns), into ``scan.timeline``."""
@@ -342,7 +350,8 @@ class Run:
         }
 
     def breakdown(self) -> list[dict[str, Any]]:
-        """Per (step, rank): ops, compute_ns, comm_ns, wait_ns, window_ns (``MergedTrace.time_breakdown``)."""
+        """Per (step, rank): ops, the step facts (window_ns, idle_before_ns, idle_after_ns, compute_ns, comm_ns)
+        and wait_ns (``MergedTrace.time_breakdown``; :mod:`tl_dist.step_facts`)."""
         if self.merged is not None:
             return self.merged.time_breakdown().to_dict("records")
         return [trace_breakdown(s, r, t) for (s, r), t in sorted(self.full.items())]
@@ -430,7 +439,6 @@ class Run:
         if self.merged is not None:
             frame = self.merged.collectives
             for k, c in enumerate(frame.itertuples(index=False)):
-                n = len(c.group)
                 rows.append(
                     {
                         "index": k,
@@ -443,10 +451,7 @@ class Run:
                         "ns": int(c.duration_ns),
                         "skew_ns": int(c.skew_ns),
                         "last_rank": int(c.last_rank),
-                        "busbw": bus_bandwidth(
-                            str(c.func), _input_size(str(c.func), int(c.bytes), n), int(c.duration_ns), n
-                        ),
-                        "module": _named(c.module if c.module else None),
+                        "module": str(c.module),
                         "source": str(c.source),
                     }
                 )
@@ -470,13 +475,7 @@ class Run:
                         "ns": ns,
                         "skew_ns": -1,
                         "last_rank": -1,
-                        "busbw": bus_bandwidth(
-                            ct["func"][k],
-                            collective_bytes(ct["in_numel"][k], ct["out_numel"][k], ct["dtype"][k]),
-                            ns,
-                            len(group),
-                        ),
-                        "module": _named(self.homes((s, r))[op] if 0 <= op < len(t) else None),
+                        "module": self._owner((s, r), t, op) if 0 <= op < len(t) else OUTSIDE,
                         "source": t.columns["source"][op] if 0 <= op < len(t) else "",
                     }
                 )
@@ -497,6 +496,15 @@ class Run:
         z = [[c["waits"].get(r) for c in joined] for r in ranks]
         columns = [f"s{c['step']} {c['func']} #{c['seq']}" for c in joined]
         return {"ranks": ranks, "columns": columns, "z": z}
+
+    def bandwidth(self) -> list[dict[str, Any]]:
+        """Per (step, rank, kind, group): the window's collective totals and busbw, as
+        :func:`tl_dist.telemetry.collective_rows` (so ``StepTelemetry`` and the OTel gauge) computes them."""
+        return [
+            {"step": s, "rank": r, **row._asdict()}
+            for (s, r), rows in sorted(self.scan().bandwidth.items())
+            for row in rows
+        ]
 
     def stragglers(self) -> list[dict[str, Any]]:
         if self.merged is None:

@@ -13,7 +13,9 @@ from ..errors import MissingToolError
 from ..schema import PHASES
 from ..views.summary import format_bytes, format_count, format_ns
 from .data import Run, short_source
+from .headline import headline
 
+MAX_BANDWIDTH_ROWS = 200  # per (step, rank, kind, group) busbw rows shown
 _COLOURS = {"compute": "#4e79a7", "comm": "#f28e2b", "wait": "#e15759"}
 _PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "optimizer": "#76b7b2", "recompute": "#59a14f"}
 _CSS = """
@@ -33,6 +35,7 @@ td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .facts td:first-child { font-weight: 600; background: #f8fafc; }
 .plot { width: 100%; min-height: 260px; }
 .note { color: #555; font-size: 13px; }
+.headline { font-size: 17px; background: #fff6e0; border-left: 4px solid #e15759; padding: 8px 12px; }
 .bad { color: #b00020; font-weight: 600; }
 .consequence { color: #777; }
 """
@@ -168,13 +171,33 @@ class Page:
                 }
             ],
             "layout": _layout(
-                "Step time per rank (first op start to last op end, ms)",
+                "Step time per rank (window: capture enter to leave, ms; docs/telemetry.md, Step facts)",
                 max(260, 14 * len(ranks) + 120),
                 xaxis=_axis("step", type="category"),
                 yaxis=_axis("", autorange="reversed"),
             ),
         }
-        return _table(["", ""], facts, cls="facts") + self._plot("steptime", figure)
+        return self._headline() + _table(["", ""], facts, cls="facts") + self._plot("steptime", figure)
+
+    def _headline(self) -> str:
+        h = headline(self.run)
+        if h is None:
+            return ""
+        where = f" in <b>{html.escape(h['module'])}</b>" if h["module"] else ""
+        if h["straggler"]:
+            what = (
+                f"rank <b>{h['rank']}</b> was the straggler: the others waited <b>{_ms(h['wait_ns'])} ms</b> "
+                f"for it (its {html.escape(h['collective'] or 'collective')}{where} arrived last)"
+            )
+        else:
+            what = f"slowest on rank <b>{h['rank']}</b>{where}"
+        phase = (
+            f"; its largest phase: {html.escape(h['phase'])} {_ms(h['phase_ns'])} ms" if h["phase"] else ""
+        )
+        return (
+            f'<p class="headline" id="tl-headline">Slowest step <b>{h["step"]}</b> '
+            f"({_ms(h['window_ns'])} ms window): {what}{phase}.</p>"
+        )
 
     def timelines(self, breakdown: list[dict[str, Any]]) -> str:
         segments = self.run.timeline()
@@ -227,7 +250,7 @@ class Page:
                     )
                 ],
                 "layout": _layout(
-                    f"Step {step}: compute / communication / waiting per rank (ms)",
+                    f"Step {step}: compute / communication / waiting per rank (ms; step facts, docs/telemetry.md)",
                     height,
                     barmode="group",
                     xaxis=_axis("ms"),
@@ -339,12 +362,11 @@ class Page:
             return '<p class="note">No collectives were captured.</p>'
         kinds: dict[tuple[str, str], dict[str, Any]] = {}
         for c in rows:
-            k = kinds.setdefault((c["func"], _group(c["group"])), {"n": 0, "bytes": 0, "ns": [], "bw": []})
+            k = kinds.setdefault((c["func"], _group(c["group"])), {"n": 0, "bytes": 0, "ns": []})
             k["n"] += 1
             k["bytes"] += c["bytes"]
             if c["ns"] >= 0:
                 k["ns"].append(c["ns"])
-                k["bw"].append(c["busbw"])
         summary = [
             [
                 func,
@@ -352,7 +374,6 @@ class Page:
                 k["n"],
                 format_bytes(k["bytes"]),
                 format_ns(sum(k["ns"]) / len(k["ns"])) if k["ns"] else "-",
-                format_bytes(int(sum(k["bw"]) / len(k["bw"]))) + "/s" if k["bw"] else "-",
             ]
             for (func, group), k in sorted(kinds.items())
         ]
@@ -370,7 +391,6 @@ class Page:
                 format_ns(c["ns"]) if c["ns"] >= 0 else "-",
                 format_ns(c["skew_ns"]) if c["skew_ns"] >= 0 else "-",
                 c["last_rank"] if c["last_rank"] >= 0 else "-",
-                format_bytes(int(c["busbw"])) + "/s" if c["busbw"] else "-",
                 c["module"],
                 short_source(c["source"]),
             ]
@@ -386,21 +406,41 @@ class Page:
             "duration",
             "skew",
             "last",
-            "bus bw",
             "module",
             "source",
         ]
         out = (
             "<h3>By kind and group</h3>"
             + _table(
-                ["kind", "group", "count", "bytes", "mean duration", "mean bus bandwidth"],
+                ["kind", "group", "count", "bytes", "mean duration"],
                 summary,
-                numeric={2, 3, 4, 5},
+                numeric={2, 3, 4},
+            )
+            + "<h3>Bus bandwidth per rank</h3>"
+            + '<p class="note">busbw as nccl-tests defines it, per (step, rank, kind, group): the summed size (the '
+            "larger buffer) / the summed issue-to-completion time on that rank x the bus factor; the same numbers "
+            "as StepTelemetry, the OTel gauge tl.collective.busbw and Prometheus.</p>"
+            + _table(
+                ["step", "rank", "kind", "group", "completed", "bytes", "time", "bus bandwidth"],
+                [
+                    [
+                        b["step"],
+                        b["rank"],
+                        b["kind"],
+                        b["group"],
+                        b["completed"],
+                        format_bytes(b["bytes"]),
+                        format_ns(b["duration_ns"]),
+                        format_bytes(int(b["busbw"])) + "/s" if b["busbw"] else "-",
+                    ]
+                    for b in run.bandwidth()[:MAX_BANDWIDTH_ROWS]
+                ],
+                numeric={0, 1, 4, 5, 6, 7},
             )
             + f"<h3>Collectives ({len(shown)} longest of {len(rows)})</h3>"
             + '<p class="note">Duration: first arrival to last completion (aligned clocks); skew: first to last '
-            "arrival; bus bandwidth as nccl-tests computes it.</p>"
-            + _table(header, table, numeric={0, 3, 5, 6, 7, 8, 9})
+            "arrival; module: the collective's own (schema.module_name).</p>"
+            + _table(header, table, numeric={0, 3, 5, 6, 7, 8})
         )
         waits = run.waits()
         if waits["z"]:
@@ -439,7 +479,7 @@ class Page:
                     }
                 ],
                 "layout": _layout(
-                    "Others' wait each rank caused, all steps (ms)",
+                    "Others' wait each rank caused, all steps (ms; the straggler of a step has the most)",
                     300,
                     xaxis=_axis("", type="category"),
                     yaxis=_axis("ms"),

@@ -11,6 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..schema import OUTSIDE
+from ..step_facts import window_facts
 from ..telemetry import summarize
 
 if TYPE_CHECKING:
@@ -180,6 +181,13 @@ def summary(trace: Trace, *, top: int = 10) -> str:
         lines.append(
             f"failed at op {failed['index']} ({failed['func']} in {failed['module'] or OUTSIDE}): "
             f"{failed['error']}"
+        )
+    if trace.metadata.get("window_start_ns") is not None:
+        f = window_facts(trace)  # the step facts every view shows (docs/telemetry.md, "Step facts")
+        lines.append(
+            f"window {format_ns(f['window_ns'])} (enter -> leave): idle {format_ns(f['idle_before_ns'])} before "
+            f"the first op, {format_ns(f['idle_after_ns'])} after the last; compute {format_ns(f['compute_ns'])}, "
+            f"communication {format_ns(f['comm_ns'])}"
         )
 
     mod_rows = module_rows(trace)
