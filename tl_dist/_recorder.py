@@ -48,6 +48,7 @@ _MODULE_MACHINERY = torch.nn.modules.module.__file__
 # Frames that are never "the user's code": torch and tl_dist themselves, the standard library (contextlib and
 # functools wrappers around torch calls), and typing_extensions' @deprecated wrapper torch puts on some APIs.
 _INTERNAL_DIRS = (_TORCH_DIR, _OWN_DIR, "<frozen")
+_DYNAMO_DIR = _TORCH_DIR + "_dynamo"
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + "/"
 _TYPING_EXTENSIONS = getattr(sys.modules.get("typing_extensions"), "__file__", None)
 
@@ -118,6 +119,8 @@ class SourceLocator:
     def call_site(self) -> str:
         """Source of the module call starting now (called from the module pre-hook, before it is pushed)."""
         frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(_DYNAMO_DIR):
+            frame = frame.f_back  # the torch._dynamo.disable wrapper around the hook (tl_dist._modules.install)
         kinds = self._kinds
         while frame is not None:  # step out of this call's own machinery frames
             kind = kinds.get(frame.f_code)
@@ -133,6 +136,12 @@ class CaptureMode(TorchDispatchMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self._on_op = recorder.on_op
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd code keeps running compiled while the mode is on (Dynamo would fall back to eager
+        # otherwise); the mode is off while Dynamo/Inductor compile. Regions are recorded by tl_dist.compiled.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         return self._on_op(func, args, kwargs or {})
