@@ -120,7 +120,9 @@ class SourceLocator:
         """Source of the module call starting now (called from the module pre-hook, before it is pushed)."""
         frame = sys._getframe(2)
         while frame is not None and frame.f_code.co_filename.startswith(_DYNAMO_DIR):
-            frame = frame.f_back  # the torch._dynamo.disable wrapper around the hook (tl_dist._modules.install)
+            frame = (
+                frame.f_back
+            )  # the torch._dynamo.disable wrapper around the hook (tl_dist._modules.install)
         kinds = self._kinds
         while frame is not None:  # step out of this call's own machinery frames
             kind = kinds.get(frame.f_code)

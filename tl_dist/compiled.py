@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ._common import FIELD_INDEX
+from ._common import FIELD_INDEX, flat_outputs
 from ._opinfo import OPINFO_CACHE, OpInfo, op_info
 from .schema import COMPILED_OP_FIELDS, empty_columns
+from .training import link_running_node
 
 # One value per process: Inductor's caches key compiled graphs on the passes' uuids, so a graph cached by another
 # process is compiled again here once -- and the pass sees it. NB: this costs the cross-process cache hit.
@@ -258,6 +259,9 @@ class RegionHook:
         # (op index, the region row's module stack, record): the stack is the compiled root's
         self.rows: list[tuple[int, tuple[str, ...], GraphRecord | None]] = []
         self.unknown = 0
+        self._forwards: list[
+            tuple[int, list[Any]]
+        ] = []  # forward regions not linked yet: (op index, outputs)
 
     def install(self) -> None:
         global _ORIGINAL_CALL
@@ -277,6 +281,7 @@ class RegionHook:
             _HOOKS.remove(self)
             if not _HOOKS:
                 CompiledFxGraph.__call__ = _ORIGINAL_CALL
+        self._forwards.clear()
         for _, region, _ in self._regions.values():
             OPINFO_CACHE.pop(id(region), None)
         self._regions.clear()
@@ -296,7 +301,16 @@ class RegionHook:
         index = recorder.n_ops
         if region.record is None:
             self.unknown += 1
+        if self._forwards and torch._C._current_graph_task_id() != -1:
+            link_running_node(recorder.token, self._forwards)  # a backward region: its forward region
         out = recorder.on_op(region, (inputs,), {})
+        if region.record is None or region.record.phase == "forward":
+            # A forward region runs inside its autograd Function's forward: its outputs get their autograd node
+            # only when the Function returns, after the recorder looked. The backward region finds its forward
+            # region through them (held until then: autograd keeps most of them alive till backward anyway).
+            outs = flat_outputs(out)
+            if torch._C._current_graph_task_id() == -1 and outs:
+                self._forwards.append((index, outs))
         # The row's module stack is the compiled root's: the module calls open now (forward), or the forward
         # region's (backward, through the autograd link).
         self.rows.append((index, recorder.rows[index][_MODULE_STACK], region.record))

@@ -14,6 +14,8 @@ Definitions (docs/telemetry.md has them all):
 
 - Inclusive per-module numbers count an op for every module on its ``module_stack``; backward ops carry the
   stack of the forward op they differentiate, so a module's backward time is the backward of its forward.
+- A compiled region (an op of kind ``compiled``) counts for the modules of the ATen ops inside it: its time is
+  split over their module stacks in proportion to their FLOPs (``docs/compile.md``).
 - ``wall_ns`` is the window's wall-clock time; ``flops_per_second`` = all FLOPs / wall time, as MFU is defined.
 - Collective bandwidth follows nccl-tests: ``algbw = size / time`` with ``size`` the larger of the input and
   output buffers, and ``busbw = algbw * factor``: ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather,
@@ -238,6 +240,7 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     by_func: dict[tuple[str, str], list[int]] = {}
     dtype_flops: dict[str, int] = {}
     compute_ns = 0
+    regions = _region_shares(trace) if trace.compiled_table["region"] else {}
     for i, (stack, phase, func, dur, fl, nbytes, kind) in enumerate(
         zip(cols["module_stack"], phases, cols["func"], durations, flops, out_bytes, kinds)
     ):
@@ -245,13 +248,17 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         phase_flops[phase] = phase_flops.get(phase, 0) + fl
         if kind != "collective":
             compute_ns += dur
-        acc = by_stack.get((stack, phase))
-        if acc is None:
-            acc = by_stack[(stack, phase)] = [0, 0, 0, 0]
-        acc[0] += 1
-        acc[1] += dur
-        acc[2] += fl
-        acc[3] += nbytes
+        shares = regions.get(i) if kind == "compiled" else None
+        for stack_k, ops_k, dur_k, fl_k, bytes_k in (
+            _split(shares, dur, nbytes) if shares else ((stack, 1, dur, fl, nbytes),)
+        ):
+            acc = by_stack.get((stack_k, phase))
+            if acc is None:
+                acc = by_stack[(stack_k, phase)] = [0, 0, 0, 0]
+            acc[0] += ops_k
+            acc[1] += dur_k
+            acc[2] += fl_k
+            acc[3] += bytes_k
         acc = by_func.get((func, phase))
         if acc is None:
             acc = by_func[(func, phase)] = [0, 0, 0, 0]
@@ -309,6 +316,38 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         nonfinite=nonfinite,
         first_nonfinite=first,
     )
+
+
+def _region_shares(trace: Trace) -> dict[int, dict[tuple[str, ...], list[int]]]:
+    """Compiled region (op index) -> module stack of its ATen ops -> [ops, FLOPs] (``trace.compiled_table``)."""
+    table = trace.compiled_table
+    shares: dict[int, dict[tuple[str, ...], list[int]]] = {}
+    for region, stack, fl in zip(table["region"], table["module_stack"], table["flops"]):
+        acc = shares.setdefault(region, {}).setdefault(stack, [0, 0])
+        acc[0] += 1
+        acc[1] += fl
+    return shares
+
+
+def _split(
+    shares: dict[tuple[str, ...], list[int]], dur: int, nbytes: int
+) -> list[tuple[tuple[str, ...], int, int, int, int]]:
+    """A region's time split over the module stacks of its ATen ops in proportion to their FLOPs (a region
+    without FLOPs: to the stack of its first op); its output bytes go with the largest share. Integer ns that
+    add up to ``dur`` exactly (the remainder goes to the largest share)."""
+    total = sum(fl for _, fl in shares.values())
+    largest = max(shares, key=lambda k: shares[k][1]) if total else next(iter(shares))
+    parts = []
+    given = 0
+    for stack, (ops, fl) in shares.items():
+        part = dur * fl // total if total else 0
+        given += part
+        parts.append([stack, ops, part, fl, 0])
+    for part in parts:
+        if part[0] == largest:
+            part[2] += dur - given
+            part[4] = nbytes
+    return [tuple(p) for p in parts]
 
 
 def _wall_ns(trace: Trace, n: int) -> int:
