@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
 import tl_dist as tl
+from tl_dist._opinfo import EXTRA_FLOP_FORMULAS
 from tl_dist.store import write_shard
 
 pytestmark = pytest.mark.filterwarnings(
@@ -71,9 +72,10 @@ def _assert_bit_equal(plain, captured) -> None:
 
 
 def _reference_flops(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """FLOPs of an eager forward + backward of the loss, counted by torch's own FlopCounterMode."""
+    """FLOPs of an eager forward + backward of the loss, counted by torch's own FlopCounterMode (given torch's
+    attention formulas for the CPU attention kernel, which its registry lacks)."""
     eager = copy.deepcopy(model)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
         eager(x).square().mean().backward()
     return counter.get_total_flops()
 
