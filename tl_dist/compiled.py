@@ -34,7 +34,6 @@ import re
 import sys
 import threading
 import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,18 +217,22 @@ def _region_info(record: GraphRecord | None, key: str, backward: bool) -> OpInfo
 class _Region:
     """The callable the recorder runs for one CompiledFxGraph: the artifact itself, its inner ops unrecorded."""
 
-    def __init__(self, hook: RegionHook, compiled: Any, record: GraphRecord | None) -> None:
-        self._hook = weakref.proxy(hook)
+    def __init__(self, mode: Any, compiled: Any, record: GraphRecord | None) -> None:
+        self.mode = mode  # the window's dispatch mode; None after the window (trace.validate() re-runs it)
         self.compiled = compiled
         self.record = record
         self.__name__ = "compiled_region"
 
     def __call__(self, inputs: list) -> Any:
-        mode = self._hook.mode
+        # A copy: the artifact empties the list it is given (boxed calling convention), and the recorder keeps
+        # this one as the op's arguments (replay, validate).
+        mode = self.mode
+        if mode is None:
+            return _ORIGINAL_CALL(self.compiled, list(inputs))
         on_op = mode._on_op
         mode._on_op = _passthrough  # the region's own dispatched ops (extern kernels) are inside it
         try:
-            return _ORIGINAL_CALL(self.compiled, inputs)
+            return _ORIGINAL_CALL(self.compiled, list(inputs))
         finally:
             mode._on_op = on_op
 
@@ -284,6 +287,7 @@ class RegionHook:
         self._forwards.clear()
         for _, region, _ in self._regions.values():
             OPINFO_CACHE.pop(id(region), None)
+            region.mode = None
         self._regions.clear()
 
     def run(self, compiled: Any, inputs: Any) -> Any:
@@ -292,7 +296,7 @@ class RegionHook:
             record = record_of(compiled)
             key = str(getattr(compiled, "cache_key", "") or id(compiled))[:16]
             backward = bool(getattr(compiled, "fx_kwargs", {}).get("is_backward"))
-            region = _Region(self, compiled, record)
+            region = _Region(self.mode, compiled, record)
             info = _region_info(record, key, backward)
             OPINFO_CACHE[id(region)] = (region, info)
             entry = self._regions[id(compiled)] = (compiled, region, info)
@@ -303,7 +307,8 @@ class RegionHook:
             self.unknown += 1
         if self._forwards and torch._C._current_graph_task_id() != -1:
             link_running_node(recorder.token, self._forwards)  # a backward region: its forward region
-        out = recorder.on_op(region, (inputs,), {})
+        out = recorder.on_op(region, (list(inputs),), {})
+        inputs.clear()  # as the artifact would have: the caller hands over its references
         if region.record is None or region.record.phase == "forward":
             # A forward region runs inside its autograd Function's forward: its outputs get their autograd node
             # only when the Function returns, after the recorder looked. The backward region finds its forward
