@@ -95,17 +95,18 @@ def mlp_run():
     torch.manual_seed(0)
     model = MLP()
     x = torch.randn(3, 4)
-    plain, captured, trace = _twin_steps(model, torch.compile(model), x)
-    return model, x, plain, captured, trace
+    compiled = torch.compile(model)
+    plain, captured, trace = _twin_steps(model, compiled, x)
+    return model, x, plain, captured, trace, compiled
 
 
 def test_compiled_mlp_step_equals_uncaptured_compiled_step(mlp_run):
-    _, _, plain, captured, _ = mlp_run
+    _, _, plain, captured, _, _ = mlp_run
     _assert_bit_equal(plain, captured)
 
 
 def test_compiled_mlp_regions_are_ops(mlp_run):
-    model, x, _, _, trace = mlp_run
+    model, x, _, _, trace, _ = mlp_run
     cols = trace.columns
     regions = [i for i, k in enumerate(cols["kind"]) if k == "compiled"]
     assert [cols["func"][i] for i in regions] == ["compiled_forward", "compiled_backward"]
@@ -129,7 +130,7 @@ def test_compiled_mlp_regions_are_ops(mlp_run):
 
 
 def test_compiled_mlp_inner_ops_carry_modules(mlp_run):
-    _, _, _, _, trace = mlp_run
+    _, _, _, _, trace, _ = mlp_run
     table = trace.compiled_table
     fwd = trace.columns["kind"].index("compiled")
     rows = [k for k, r in enumerate(table["region"]) if r == fwd]
@@ -143,7 +144,7 @@ def test_compiled_mlp_inner_ops_carry_modules(mlp_run):
 
 
 def test_compiled_region_time_is_split_over_modules_by_flops(mlp_run):
-    _, _, _, _, trace = mlp_run
+    _, _, _, _, trace, _ = mlp_run
     t = tl.telemetry.summarize(trace)
     cols = trace.columns
     fwd = cols["kind"].index("compiled")
@@ -157,10 +158,20 @@ def test_compiled_region_time_is_split_over_modules_by_flops(mlp_run):
 
 
 def test_compiled_trace_round_trips_through_a_shard(mlp_run, tmp_path):
-    _, _, _, _, trace = mlp_run
+    _, _, _, _, trace, _ = mlp_run
     loaded = tl.load(write_shard(trace, tmp_path / "step.h5"))
     assert loaded.compiled_table == trace.compiled_table
     assert loaded.columns["kind"] == trace.columns["kind"]
+
+
+def test_traced_compiled_model_saves_and_validates_its_regions(mlp_run):
+    model, x, _, _, _, compiled = mlp_run
+    trace = tl.trace(compiled, x)
+    (region,) = [op for op in trace if op.kind == "compiled"]
+    assert torch.equal(trace.output, model(x))  # the eager model gives the same bits here
+    assert torch.equal(region.out[0], trace.output)  # the region's first output is the model's output
+    report = trace.validate()  # re-runs the compiled region from its saved inputs
+    assert report and report.checked == len(trace)
 
 
 class Block(torch.nn.Module):
