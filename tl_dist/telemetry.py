@@ -252,20 +252,8 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         for stack_k, ops_k, dur_k, fl_k, bytes_k in (
             _split(shares, dur, nbytes) if shares else ((stack, 1, dur, fl, nbytes),)
         ):
-            acc = by_stack.get((stack_k, phase))
-            if acc is None:
-                acc = by_stack[(stack_k, phase)] = [0, 0, 0, 0]
-            acc[0] += ops_k
-            acc[1] += dur_k
-            acc[2] += fl_k
-            acc[3] += bytes_k
-        acc = by_func.get((func, phase))
-        if acc is None:
-            acc = by_func[(func, phase)] = [0, 0, 0, 0]
-        acc[0] += 1
-        acc[1] += dur
-        acc[2] += fl
-        acc[3] += nbytes
+            _accumulate(by_stack, (stack_k, phase), ops_k, dur_k, fl_k, bytes_k)
+        _accumulate(by_func, (func, phase), 1, dur, fl, nbytes)
         if fl:
             dtype = cols["dtype"][i]
             dtype_flops[dtype] = dtype_flops.get(dtype, 0) + fl
@@ -316,6 +304,17 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         nonfinite=nonfinite,
         first_nonfinite=first,
     )
+
+
+def _accumulate(table: dict[Any, list[int]], key: Any, ops: int, dur: int, fl: int, nbytes: int) -> None:
+    """Adds (ops, ns, FLOPs, bytes) to ``table[key]``."""
+    acc = table.get(key)
+    if acc is None:
+        acc = table[key] = [0, 0, 0, 0]
+    acc[0] += ops
+    acc[1] += dur
+    acc[2] += fl
+    acc[3] += nbytes
 
 
 def _region_shares(trace: Trace) -> dict[int, dict[tuple[str, ...], list[int]]]:
@@ -374,13 +373,7 @@ def _module_rows(
     for (stack, phase), (ops, dur, fl, nbytes) in by_stack.items():
         # A module calling itself (the same address twice on one stack) counts its ops once.
         for address in dict.fromkeys(stack) if stack else (OUTSIDE,):
-            acc = totals.get((address, phase))
-            if acc is None:
-                acc = totals[(address, phase)] = [0, 0, 0, 0]
-            acc[0] += ops
-            acc[1] += dur
-            acc[2] += fl
-            acc[3] += nbytes
+            _accumulate(totals, (address, phase), ops, dur, fl, nbytes)
     # Modules in the order of their first call; then those with ops but no call in the window (the backward of
     # a forward that ran before it) in the order of their first op; the ops outside every module last.
     order = {address: k for k, address in enumerate(info)}
