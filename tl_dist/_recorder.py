@@ -48,7 +48,6 @@ _MODULE_MACHINERY = torch.nn.modules.module.__file__
 # Frames that are never "the user's code": torch and tl_dist themselves, the standard library (contextlib and
 # functools wrappers around torch calls), and typing_extensions' @deprecated wrapper torch puts on some APIs.
 _INTERNAL_DIRS = (_TORCH_DIR, _OWN_DIR, "<frozen")
-_DYNAMO_DIR = _TORCH_DIR + "_dynamo"
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + "/"
 _TYPING_EXTENSIONS = getattr(sys.modules.get("typing_extensions"), "__file__", None)
 
@@ -119,10 +118,6 @@ class SourceLocator:
     def call_site(self) -> str:
         """Source of the module call starting now (called from the module pre-hook, before it is pushed)."""
         frame = sys._getframe(2)
-        while frame is not None and frame.f_code.co_filename.startswith(_DYNAMO_DIR):
-            frame = (
-                frame.f_back
-            )  # the torch._dynamo.disable wrapper around the hook (tl_dist._modules.install)
         kinds = self._kinds
         while frame is not None:  # step out of this call's own machinery frames
             kind = kinds.get(frame.f_code)
