@@ -157,6 +157,22 @@ def test_compiled_region_time_is_split_over_modules_by_flops(mlp_run):
     assert forward[""].duration_ns >= dur  # the root includes the whole region (and the loss ops after it)
 
 
+def test_report_module_table_splits_region_time_by_flops(mlp_run):
+    from tl_dist.report.data import Run
+
+    _, _, _, _, trace, _ = mlp_run
+    cols = trace.columns
+    fwd, bwd = [i for i, k in enumerate(cols["kind"]) if k == "compiled"]
+    rows = {r["module"]: r for r in Run.of(trace).modules()}
+    # fc1: 192 of the forward region's 288 FLOPs and 192 of the backward's 384; fc2 the rest (integer ns, the
+    # remainder of each split to the larger share)
+    fd, bd = cols["duration_ns"][fwd], cols["duration_ns"][bwd]
+    assert rows["fc2"]["forward"] == fd * 96 // 288
+    assert rows["fc1"]["forward"] == fd - fd * 96 // 288
+    assert rows["fc1"]["backward"] + rows["fc2"]["backward"] == bd
+    assert rows["fc1"]["flops"] == 192 + 192 and rows["fc2"]["flops"] == 96 + 192
+
+
 def test_compiled_trace_round_trips_through_a_shard(mlp_run, tmp_path):
     _, _, _, _, trace, _ = mlp_run
     loaded = tl.load(write_shard(trace, tmp_path / "step.h5"))

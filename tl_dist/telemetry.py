@@ -240,7 +240,7 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     by_func: dict[tuple[str, str], list[int]] = {}
     dtype_flops: dict[str, int] = {}
     compute_ns = 0
-    regions = _region_shares(trace) if trace.compiled_table["region"] else {}
+    regions = region_shares(trace) if trace.compiled_table["region"] else {}
     for i, (stack, phase, func, dur, fl, nbytes, kind) in enumerate(
         zip(cols["module_stack"], phases, cols["func"], durations, flops, out_bytes, kinds)
     ):
@@ -250,7 +250,7 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
             compute_ns += dur
         shares = regions.get(i) if kind == "compiled" else None
         for stack_k, ops_k, dur_k, fl_k, bytes_k in (
-            _split(shares, dur, nbytes) if shares else ((stack, 1, dur, fl, nbytes),)
+            split_region(shares, dur, nbytes) if shares else ((stack, 1, dur, fl, nbytes),)
         ):
             _accumulate(by_stack, (stack_k, phase), ops_k, dur_k, fl_k, bytes_k)
         _accumulate(by_func, (func, phase), 1, dur, fl, nbytes)
@@ -317,7 +317,7 @@ def _accumulate(table: dict[Any, list[int]], key: Any, ops: int, dur: int, fl: i
     acc[3] += nbytes
 
 
-def _region_shares(trace: Trace) -> dict[int, dict[tuple[str, ...], list[int]]]:
+def region_shares(trace: Trace) -> dict[int, dict[tuple[str, ...], list[int]]]:
     """Compiled region (op index) -> module stack of its ATen ops -> [ops, FLOPs] (``trace.compiled_table``)."""
     table = trace.compiled_table
     shares: dict[int, dict[tuple[str, ...], list[int]]] = {}
@@ -328,7 +328,7 @@ def _region_shares(trace: Trace) -> dict[int, dict[tuple[str, ...], list[int]]]:
     return shares
 
 
-def _split(
+def split_region(
     shares: dict[tuple[str, ...], list[int]], dur: int, nbytes: int
 ) -> list[tuple[tuple[str, ...], int, int, int, int]]:
     """A region's time split over the module stacks of its ATen ops in proportion to their FLOPs (a region
