@@ -137,22 +137,37 @@ def record_graph(graph: torch.fx.Graph) -> GraphRecord:
     )
 
 
-class _RecordingPass:
-    """Inductor custom post-grad pass (``CustomGraphPass`` protocol): records the graph, changes nothing."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        gm = graph.owning_module
-        if gm is None:
-            return
-        record = record_graph(graph)
-        with _LOCK:
-            _PENDING.append((gm, record))
-
-    def uuid(self) -> str:
-        return "tl_dist.compiled/" + _PROCESS_TOKEN
+def _record(graph: torch.fx.Graph) -> None:
+    """The pass's body: records the graph (until its artifact first runs), changes nothing."""
+    gm = graph.owning_module
+    if gm is None:
+        return
+    record = record_graph(graph)
+    with _LOCK:
+        _PENDING.append((gm, record))
 
 
-_PASS = _RecordingPass()
+_PASS: Any = None  # the pass object, made on first use: its base class lives in Inductor (seconds to import)
+
+
+def _recording_pass() -> Any:
+    global _PASS
+    if _PASS is None:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        class RecordingPass(CustomGraphPass):
+            """Inductor custom post-grad pass that records the graph. A CustomGraphPass with a uuid keeps
+            Inductor's caches on (any other callable makes them bypass): a graph compiled again in this process
+            is a cache hit, found by its graph text (record_of) without the pass running."""
+
+            def __call__(self, graph: torch.fx.Graph) -> None:
+                _record(graph)
+
+            def uuid(self) -> str:
+                return "tl_dist.compiled/" + _PROCESS_TOKEN
+
+        _PASS = RecordingPass()
+    return _PASS
 
 
 def watch_compiles() -> None:
@@ -169,9 +184,10 @@ def watch_compiles() -> None:
 
     current = config.post_grad_custom_post_pass
     passes = list(current) if isinstance(current, (list, tuple)) else ([] if current is None else [current])
-    if any(p is _PASS for p in passes):
+    ours = _recording_pass()
+    if any(p is ours for p in passes):
         return
-    config.post_grad_custom_post_pass = passes + [_PASS] if passes else _PASS
+    config.post_grad_custom_post_pass = passes + [ours] if passes else ours
 
 
 def _graph_text(gm: Any) -> str:
