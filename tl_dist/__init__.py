@@ -14,6 +14,7 @@ from .arm import arm, disarm, flush, should_capture, sink_stats
 from .capture import Capture, capture, trace
 from .causal import downstream, upstream
 from .compare import compare
+from .compiled import watch_compiles
 from .edits import (
     Edit,
     add,
@@ -101,6 +102,7 @@ __all__ = [
     "telemetry",
     "trace",
     "upstream",
+    "watch_compiles",
     "when",
     "where",
     "zero_ablate",

@@ -7,15 +7,15 @@ Each call of a module becomes a row of the module-call table (schema.MODULE_CALL
   the autograd engine, whose device threads run checkpoint recomputation on GPUs.
 - A module called while the autograd engine runs is checkpoint recomputation: its ops take the address stack
   of the module's forward call, and no module-call row is added (the forward call already has one).
-- ``torch.compile``'d modules (``OptimizedModule``) are transparent: addresses lose the ``_orig_mod`` segment
-  and the wrapper's own call is not a module call.
+- ``torch.compile``'d modules (``OptimizedModule``) are transparent: addresses lose the ``_orig_mod`` segment,
+  and the wrapper's call is the call of the module it wraps (whose own hooks do not fire when it runs compiled;
+  when they do -- eagerly, or resuming after a graph break -- that inner call is not counted twice).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-import warnings
 import weakref
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,6 @@ _CALL_CODES = frozenset(
 )
 _get_ident = threading.get_ident
 _graph_task_id = torch._C._current_graph_task_id
-_SKIP = "\0skip"  # names[id(module)] of a module whose calls are not module calls (torch.compile's wrapper)
 
 
 def _strip_compiled(name: str) -> str:
@@ -70,6 +69,19 @@ if TYPE_CHECKING:
     from ._recorder import Recorder
 
 
+def _hidden_from_dynamo(*functions: Any) -> None:
+    """Dynamo runs these functions, and everything they call, as plain Python.
+
+    A compiled module's inner call runs the global module hooks with Dynamo's frame callback on: without this,
+    Dynamo would compile the hooks themselves (new frames, graph breaks) on a window's first step. Marked on
+    the code objects, so it costs nothing per call (``torch._dynamo.disable`` wrappers cost ~25 us a call).
+    """
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    for fn in functions:
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+
+
 class ModuleTracker:
     """Keeps the stack of module calls and their table; names modules from the roots it is given or finds."""
 
@@ -96,6 +108,7 @@ class ModuleTracker:
         self.current_builtin = False
         self.address_stack: tuple[str, ...] = ()
         self._root_names: set[str] = set()
+        self._wrapper_of: dict[int, int] = {}  # id(compiled module's _orig_mod) -> id(its OptimizedModule)
         for prefix, root in roots:
             self._add_root(root, prefix)
         self._handles: list[Any] = []
@@ -107,8 +120,7 @@ class ModuleTracker:
         dot = prefix + "." if prefix else ""
         for name, mod in root.named_modules(remove_duplicate=False):
             if _is_compiled_wrapper(mod):
-                self.names[id(mod)] = _SKIP
-                continue
+                self._wrapper_of[id(mod._orig_mod)] = id(mod)
             name = _strip_compiled(name)
             self.names.setdefault(id(mod), dot + name if name else prefix)
             self._modules.setdefault(id(mod), weakref.ref(mod))
@@ -121,9 +133,6 @@ class ModuleTracker:
         address = self.names.get(id(module))
         if address is not None:
             return address
-        if _is_compiled_wrapper(module):
-            self.names[id(module)] = _SKIP  # its _orig_mod is named when the wrapper calls it
-            return _SKIP
         if not self._stack:
             # A new top-level module inside a capture window (the model, then a loss module, ...): the first one
             # found is the root '', later ones are named by class so addresses stay unique.
@@ -143,6 +152,8 @@ class ModuleTracker:
     # -- hooks --------------------------------------------------------------------------------------------
     def install(self) -> None:
         self.thread = _get_ident()
+        if "torch._dynamo" in sys.modules:
+            _hidden_from_dynamo(ModuleTracker._pre, ModuleTracker._post)
         self._handles = [
             nn_module.register_module_forward_pre_hook(self._pre),
             nn_module.register_module_forward_hook(self._post, always_call=True),
@@ -160,13 +171,17 @@ class ModuleTracker:
         address = self.names.get(id(module))
         if address is None:
             address = self._address(module)
-        if address is _SKIP:
-            self._note_compiled()
-            return
+        wrapper = self._wrapper_of.get(id(module))
+        if wrapper is not None and self._stack and self._stack[-1][0] == wrapper:
+            return  # the compiled wrapper's call, already open under the same address
+        key, shown = id(module), module
+        if _is_compiled_wrapper(module):
+            self.compiled_seen = True
+            shown = module._orig_mod  # the call's type, and whether it is torch's own class
         if in_engine:
             # Checkpoint recomputation: the ops belong to the module's forward call, already in the table.
-            stack, source = self._forward_calls.get(id(module)) or (self.address_stack + (address,), "")
-            self._stack.append((id(module), -1, stack, source, _is_builtin(module)))
+            stack, source = self._forward_calls.get(key) or (self.address_stack + (address,), "")
+            self._stack.append((key, -1, stack, source, _is_builtin(shown)))
             self.recompute_calls += 1
             self._set_current()
             return
@@ -175,7 +190,7 @@ class ModuleTracker:
         n = self._call_counts.get(address, 0)
         self._call_counts[address] = n + 1
         calls["address"].append(address)
-        calls["type"].append(type(module).__name__)
+        calls["type"].append(type(shown).__name__)
         calls["call"].append(n)
         calls["parent"].append(self.current_call)
         calls["depth"].append(len(self.address_stack))
@@ -193,9 +208,9 @@ class ModuleTracker:
             source = locate.call_site()
         calls["source"].append(source)
         stack = self.address_stack + (address,)
-        self._stack.append((id(module), row, stack, source, _is_builtin(module)))
-        self._forward_calls[id(module)] = (stack, source)
-        self._last_call[id(module)] = row
+        self._stack.append((key, row, stack, source, _is_builtin(shown)))
+        self._forward_calls[key] = (stack, source)
+        self._last_call[key] = row
         self.stack_of_address[address] = stack
         self._set_current()
 
@@ -251,18 +266,6 @@ class ModuleTracker:
                 return forward[0][-1], forward[0], row
             frame = frame.f_back
         return None
-
-    def _note_compiled(self) -> None:
-        if self.compiled_seen:
-            return
-        self.compiled_seen = True
-        warnings.warn(
-            "tl_dist: a torch.compile'd module ran inside a capture window. A TorchDispatchMode makes "
-            "torch.compile run it eagerly, so its ops are recorded one by one (their times are eager times); "
-            "addresses leave out the '_orig_mod' wrapper.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _set_current(self) -> None:
         if self._stack:

@@ -135,6 +135,12 @@ class CaptureMode(TorchDispatchMode):
         super().__init__()
         self._on_op = recorder.on_op
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd code keeps running compiled while the mode is on (Dynamo would fall back to eager
+        # otherwise); the mode is off while Dynamo/Inductor compile. Regions are recorded by tl_dist.compiled.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         # types is empty for plain tensors; a tensor subclass (DTensor, AsyncCollectiveTensor) runs its own
         # dispatch inside this op, which may communicate (see SubclassMode).

@@ -32,6 +32,7 @@ import torch
 from . import _session
 from ._recorder import ACTIVE
 from ._stacks import frame_stack, traceback_stack
+from .compiled import watch_compiles
 from .options import CaptureOptions, check_options
 from .sinks import SinkStats, SinkWorker, check_sinks
 from .store import ShardOptions, ShardSink
@@ -236,6 +237,7 @@ def arm(
     if state.rank_dir is not None:
         state.rank_dir.mkdir(parents=True, exist_ok=True)
     _install_handlers(state)
+    watch_compiles()  # before the job compiles: its compiled regions then carry FLOPs and their ATen ops
     atexit.register(_at_exit)
     _state = state
     _session.install(state)

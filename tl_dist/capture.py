@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 import warnings
 from typing import Any
@@ -22,6 +23,7 @@ from . import _session
 from ._common import storage_key
 from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
+from .compiled import RegionHook, watch_compiles
 from .errors import TlDistError
 from .options import CaptureOptions, check_options
 from .schema import module_name
@@ -90,6 +92,7 @@ class Capture:
         self._recorder: Recorder | None = None
         self._mode: CaptureMode | None = None
         self._interventions: Interventions | None = None
+        self._regions: RegionHook | None = None
 
     def __enter__(self) -> Capture:
         if ACTIVE:
@@ -107,9 +110,14 @@ class Capture:
         recorder.phases.install()
         recorder.training.install()
         self._mode = CaptureMode(recorder)
+        if "torch._dynamo" in sys.modules:
+            watch_compiles()  # graphs compiled from now on (recompilations, later steps) get their ATen facts
+        self._regions = RegionHook(recorder, self._mode)
         try:
+            self._regions.install()
             self._mode.__enter__()
         except BaseException:
+            self._regions.uninstall()
             recorder.modules.uninstall()
             recorder.phases.uninstall()
             raise
@@ -134,6 +142,7 @@ class Capture:
             self._mode.__exit__(exc_type, exc, tb)
         finally:
             ACTIVE.remove(self)
+            self._regions.uninstall()
             recorder.modules.uninstall()
             recorder.modules.close()
             recorder.phases.uninstall()
@@ -161,6 +170,14 @@ class Capture:
                 )
         else:
             self._warn_unmatched()
+            if recorder.modules.compiled_seen and not self._regions.rows:
+                warnings.warn(
+                    "tl_dist: a torch.compile'd module ran inside a capture window without running an Inductor "
+                    "region (another backend, or Dynamo fell back to eager): its ops are recorded one by one, "
+                    "with eager times; addresses leave out the '_orig_mod' wrapper (docs/compile.md)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if self._window is not None:
             self._window.close(self, exc)
 
@@ -214,7 +231,9 @@ class Capture:
             metadata["device_name"] = torch.cuda.get_device_name(torch.device(cuda))
         if self._interventions is not None:
             metadata.update(self._interventions.metadata())
-        return Trace(
+        if self._regions is not None and self._regions.unknown:
+            metadata["compiled_unknown"] = self._regions.unknown
+        trace = Trace(
             columns,
             modules.calls,  # the tracker is done with it: no copy
             collective_table=rec.comm.columns(columns),
@@ -231,6 +250,9 @@ class Capture:
             param_grads=rec.training.param_grads,
             interventions=self.options.intervene or (),
         )
+        if self._regions is not None:
+            trace.compiled_table = self._regions.table()
+        return trace
 
     def _warn_unmatched(self) -> None:
         """A selector that matched no op of a finished window is most likely misspelt (``tl.func("relux")``)."""

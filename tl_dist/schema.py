@@ -52,7 +52,8 @@ OP_FIELDS: tuple[Field, ...] = (
     Field(
         "kind",
         "str",
-        "`compute`, `view`, `factory` (no tensor inputs), `collective` or `other` (no tensor out).",
+        "`compute`, `view`, `factory` (no tensor inputs), `collective`, `other` (no tensor out) or `compiled` "
+        "(one run of a torch.compile'd region: its ATen ops are rows of `compiled_table`).",
     ),
     Field(
         "phase",
@@ -152,6 +153,26 @@ COLLECTIVE_FIELDS: tuple[Field, ...] = (
     Field("state", "str", "`issued` (never seen complete: in flight at a crash or hang) or `completed`."),
     Field("bucket", "int", "DDP gradient bucket index for DDP's bucket all-reduce; -1 otherwise."),
     Field("backend", "str", "The group's backend: `gloo`, `nccl`, ... ('' if unknown)."),
+)
+
+# One row per ATen op inside each compiled region a window ran (the region itself is one op-table row of kind
+# `compiled`, at `region`). Filled by tl_dist.compiled from the graph Inductor compiled.
+COMPILED_OP_FIELDS: tuple[Field, ...] = (
+    Field("region", "int", "Index of the region's row in the op table."),
+    Field("pos", "int", "Position of the op in the region's ATen graph (after Inductor's post-grad passes)."),
+    Field("func", "str", "Short op name, as in the op table (`addmm`, `relu`)."),
+    Field("aten", "str", "Full operator overload name."),
+    Field(
+        "module",
+        "str",
+        "Address of the innermost module the op came from (the graph's `nn_module_stack`; a backward op: its "
+        "forward op's), below the compiled module's own address.",
+    ),
+    Field("module_stack", "strs", "Addresses of the enclosing modules, outermost first."),
+    Field(
+        "flops", "int", "FLOPs from the same formulas as eager ops, on the shapes the graph was compiled for."
+    ),
+    Field("out_shapes", "shapes", "Shape of each tensor the op returns, as compiled."),
 )
 
 # One row per (op, value) whose statistics a capture with ``stats=`` recorded: the op's first floating-point

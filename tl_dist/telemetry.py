@@ -17,6 +17,8 @@ Definitions (docs/telemetry.md has them all):
 - ``wall_ns``, ``idle_before_ns``, ``idle_after_ns``, ``compute_ns``, ``comm_ns`` are the window's step facts
   (:mod:`tl_dist.step_facts`: the same numbers ``time_breakdown()`` and the report show); ``flops_per_second`` =
   all FLOPs / wall time, as MFU is defined.
+- A compiled region (an op of kind ``compiled``) counts for the modules of the ATen ops inside it: its time is
+  split over their module stacks in proportion to their FLOPs (``docs/compile.md``).
 - Collective bandwidth follows nccl-tests: ``algbw = size / time`` with ``size`` the larger of the input and
   output buffers, and ``busbw = algbw * factor``: ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather,
   reduce_scatter, all_to_all, gather and scatter, ``1`` for broadcast, reduce and point-to-point.
@@ -197,7 +199,7 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     cols = trace.columns
     meta = trace.metadata
     phases, durations, flops = cols["phase"], cols["duration_ns"], cols["flops"]
-    out_bytes = cols["out_bytes"]
+    out_bytes, kinds = cols["out_bytes"], cols["kind"]
     n = len(durations)
 
     op_ns = dict.fromkeys(PHASES, 0)
@@ -206,25 +208,18 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
     by_stack: dict[tuple[tuple[str, ...], str], list[int]] = {}
     by_func: dict[tuple[str, str], list[int]] = {}
     dtype_flops: dict[str, int] = {}
-    for i, (stack, phase, func, dur, fl, nbytes) in enumerate(
-        zip(cols["module_stack"], phases, cols["func"], durations, flops, out_bytes)
+    regions = region_shares(trace) if trace.compiled_table["region"] else {}
+    for i, (stack, phase, func, dur, fl, nbytes, kind) in enumerate(
+        zip(cols["module_stack"], phases, cols["func"], durations, flops, out_bytes, kinds)
     ):
         op_ns[phase] = op_ns.get(phase, 0) + dur
         phase_flops[phase] = phase_flops.get(phase, 0) + fl
-        acc = by_stack.get((stack, phase))
-        if acc is None:
-            acc = by_stack[(stack, phase)] = [0, 0, 0, 0]
-        acc[0] += 1
-        acc[1] += dur
-        acc[2] += fl
-        acc[3] += nbytes
-        acc = by_func.get((func, phase))
-        if acc is None:
-            acc = by_func[(func, phase)] = [0, 0, 0, 0]
-        acc[0] += 1
-        acc[1] += dur
-        acc[2] += fl
-        acc[3] += nbytes
+        shares = regions.get(i) if kind == "compiled" else None
+        for stack_k, ops_k, dur_k, fl_k, bytes_k in (
+            split_region(shares, dur, nbytes) if shares else ((stack, 1, dur, fl, nbytes),)
+        ):
+            _accumulate(by_stack, (stack_k, phase), ops_k, dur_k, fl_k, bytes_k)
+        _accumulate(by_func, (func, phase), 1, dur, fl, nbytes)
         if fl:
             dtype = cols["dtype"][i]
             dtype_flops[dtype] = dtype_flops.get(dtype, 0) + fl
@@ -291,6 +286,49 @@ def _arrivals(table: dict[str, list]) -> tuple[tuple[tuple[int, ...], int, int, 
     )
 
 
+def _accumulate(table: dict[Any, list[int]], key: Any, ops: int, dur: int, fl: int, nbytes: int) -> None:
+    """Adds (ops, ns, FLOPs, bytes) to ``table[key]``."""
+    acc = table.get(key)
+    if acc is None:
+        acc = table[key] = [0, 0, 0, 0]
+    acc[0] += ops
+    acc[1] += dur
+    acc[2] += fl
+    acc[3] += nbytes
+
+
+def region_shares(trace: Trace) -> dict[int, dict[tuple[str, ...], list[int]]]:
+    """Compiled region (op index) -> module stack of its ATen ops -> [ops, FLOPs] (``trace.compiled_table``)."""
+    table = trace.compiled_table
+    shares: dict[int, dict[tuple[str, ...], list[int]]] = {}
+    for region, stack, fl in zip(table["region"], table["module_stack"], table["flops"]):
+        acc = shares.setdefault(region, {}).setdefault(stack, [0, 0])
+        acc[0] += 1
+        acc[1] += fl
+    return shares
+
+
+def split_region(
+    shares: dict[tuple[str, ...], list[int]], dur: int, nbytes: int
+) -> list[tuple[tuple[str, ...], int, int, int, int]]:
+    """A region's time split over the module stacks of its ATen ops in proportion to their FLOPs (a region
+    without FLOPs: to the stack of its first op); its output bytes go with the largest share. Integer ns that
+    add up to ``dur`` exactly (the remainder goes to the largest share)."""
+    total = sum(fl for _, fl in shares.values())
+    largest = max(shares, key=lambda k: shares[k][1]) if total else next(iter(shares))
+    parts = []
+    given = 0
+    for stack, (ops, fl) in shares.items():
+        part = dur * fl // total if total else 0
+        given += part
+        parts.append([stack, ops, part, fl, 0])
+    for part in parts:
+        if part[0] == largest:
+            part[2] += dur - given
+            part[4] = nbytes
+    return [tuple(p) for p in parts]
+
+
 def _module_rows(
     trace: Trace, by_stack: dict[tuple[tuple[str, ...], str], list[int]]
 ) -> tuple[ModuleRow, ...]:
@@ -304,13 +342,7 @@ def _module_rows(
     for (stack, phase), (ops, dur, fl, nbytes) in by_stack.items():
         # A module calling itself (the same address twice on one stack) counts its ops once.
         for address in dict.fromkeys(stack) if stack else (OUTSIDE,):
-            acc = totals.get((address, phase))
-            if acc is None:
-                acc = totals[(address, phase)] = [0, 0, 0, 0]
-            acc[0] += ops
-            acc[1] += dur
-            acc[2] += fl
-            acc[3] += nbytes
+            _accumulate(totals, (address, phase), ops, dur, fl, nbytes)
     # Modules in the order of their first call; then those with ops but no call in the window (the backward of
     # a forward that ran before it) in the order of their first op; the ops outside every module last.
     order = {address: k for k, address in enumerate(info)}

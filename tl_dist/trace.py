@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_unflatten
 from ._common import FLOAT_DTYPES as _FLOATS
 from ._common import STAT_NAMES as _STAT_NAMES
 from .errors import SchemaError, TlDistError
-from .schema import COLLECTIVE_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
+from .schema import COLLECTIVE_FIELDS, COMPILED_OP_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .selectors import Selector
 
 Tensor = torch.Tensor
@@ -238,6 +238,8 @@ class Trace:
         self.failed_op = failed_op
         self.grads = grads if grads is not None else {}  # op -> gradient per output (tl_dist.training)
         self.stats_table = stats_table if stats_table is not None else empty_columns(STAT_FIELDS)
+        # The ATen ops inside each compiled region (kind `compiled` rows), from tl_dist.compiled.
+        self.compiled_table = empty_columns(COMPILED_OP_FIELDS)
         self._recorder = recorder  # the live recorder, for log_backward; None for loaded traces
         # Parameter name -> its gradient at the end of the window's backward (save_grads asks for it).
         self.param_grads = param_grads if param_grads is not None else {}

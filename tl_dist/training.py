@@ -74,6 +74,21 @@ def _module_output_stats(row: tuple) -> bool:
     return row[_PHASE] == "forward" and not _stats_by_default(row) and "empty" not in row[_FUNC]
 
 
+def link_running_node(token: object, candidates: list[tuple[int, list[Tensor]]]) -> None:
+    """Links the autograd node running now to the forward op among ``candidates`` (op index, its outputs) whose
+    output it is the node of, unless it is linked already, and drops that candidate: for ops whose outputs got
+    their node only after the op was recorded (a compiled region runs inside its autograd Function's forward)."""
+    node = _current_node()
+    if node is None or _KEY in node.metadata:
+        return
+    for k in range(len(candidates) - 1, -1, -1):
+        index, outs = candidates[k]
+        if any(out.grad_fn is node for out in outs):
+            node.metadata[_KEY] = (token, index)
+            del candidates[k]
+            return
+
+
 def backward_link(token: object) -> int:
     """Index of the forward op whose autograd node is running now (-1 when unknown); called per backward op."""
     node = _current_node()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import member_waits, step_timing, trace_breakdown
 from ..schema import OUTSIDE, PHASES, module_name
-from ..telemetry import collective_rows
+from ..telemetry import collective_rows, region_shares, split_region
 from ..views.graph import home_calls
 
 if TYPE_CHECKING:
@@ -392,21 +392,25 @@ class Run:
             for address, d in zip(table["address"], table["depth"]):
                 depth.setdefault(address, d)
             cols = t.columns
-            for chain, phase, dur, flops in zip(
-                self._ancestors(key), cols["phase"], cols["duration_ns"], cols["flops"]
+            # A compiled region counts for the modules of its ATen ops, its time split by FLOPs (as summarize).
+            regions = region_shares(t) if t.compiled_table["region"] else {}
+            for i, (chain, phase, dur, flops) in enumerate(
+                zip(self._ancestors(key), cols["phase"], cols["duration_ns"], cols["flops"])
             ):
-                for address in chain or (None,):
-                    row = rows.get(address)
-                    if row is None:
-                        row = rows[address] = {
-                            "module": address,
-                            "ops": 0,
-                            "flops": 0,
-                            **{p: 0 for p in PHASES},
-                        }
-                    row["ops"] += 1
-                    row["flops"] += flops
-                    row[phase if phase in PHASES else "forward"] += dur
+                parts = split_region(regions[i], dur, 0) if i in regions else ((chain, 1, dur, flops, 0),)
+                for chain_k, ops_k, dur_k, flops_k, _ in parts:
+                    for address in dict.fromkeys(chain_k) if chain_k else (None,):
+                        row = rows.get(address)
+                        if row is None:
+                            row = rows[address] = {
+                                "module": address,
+                                "ops": 0,
+                                "flops": 0,
+                                **{p: 0 for p in PHASES},
+                            }
+                        row["ops"] += ops_k
+                        row["flops"] += flops_k
+                        row[phase if phase in PHASES else "forward"] += dur_k
         ordered = [r for a, r in rows.items() if a is not None] + ([rows[None]] if None in rows else [])
         for row in ordered:
             row["depth"] = depth.get(row["module"], 0) if row["module"] is not None else 0

@@ -21,6 +21,7 @@ from torch.utils._pytree import treespec_loads
 from ..errors import ShardFormatError
 from ..schema import (
     COLLECTIVE_FIELDS,
+    COMPILED_OP_FIELDS,
     EMPTY_VALUE,
     MODULE_CALL_FIELDS,
     OP_FIELDS,
@@ -226,6 +227,9 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
             if "stats" in root
             else None
         )
+        compiled = (
+            read_table(root, "compiled", COMPILED_OP_FIELDS, strings=strings) if "compiled" in root else None
+        )
         saved: Mapping[int, list] = {}
         grads: Mapping[int, list] = {}
         if tensors:
@@ -251,6 +255,8 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
         trace.grads = grads
     if stats_table is not None:
         trace.stats_table = stats_table
+    if compiled is not None:
+        trace.compiled_table = compiled
     return trace
 
 
@@ -272,6 +278,9 @@ def load_columns(path: str | os.PathLike, fields: Iterable[str]) -> Trace:
         modules = read_table(root, "modules", MODULE_CALL_FIELDS, strings=strings)
         collectives = read_table(root, "collectives", COLLECTIVE_FIELDS, strings=strings)
         stats = read_table(root, "stats", STAT_FIELDS, strings=strings) if "stats" in root else None
+        compiled = (
+            read_table(root, "compiled", COMPILED_OP_FIELDS, strings=strings) if "compiled" in root else None
+        )
         # Which ops were saved (not their tensors): what a live-bytes count needs.
         by_label = {label: i for i, label in enumerate(columns["label"])} if "saved" in root else {}
         index = {by_label[k]: (k, 1) for k in (root["saved"] if by_label else ()) if k in by_label}
@@ -284,6 +293,8 @@ def load_columns(path: str | os.PathLike, fields: Iterable[str]) -> Trace:
         stats_table=stats,
     )
     trace.saved = LazyTensors(Path(path), "saved", index)
+    if compiled is not None:
+        trace.compiled_table = compiled
     return trace
 
 

@@ -19,7 +19,15 @@ import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
 from .._files import replacing
-from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, SCHEMA_VERSION, STAT_FIELDS, Field
+from ..schema import (
+    COLLECTIVE_FIELDS,
+    COMPILED_OP_FIELDS,
+    MODULE_CALL_FIELDS,
+    OP_FIELDS,
+    SCHEMA_VERSION,
+    STAT_FIELDS,
+    Field,
+)
 from .codecs import STR_DTYPE, ShardOptions, StringTable, _tag, write_table
 
 if TYPE_CHECKING:
@@ -210,6 +218,10 @@ def write_shard(
             if trace.grads:
                 _write_tensors(root, "grads", trace.grads, labels, options)
             write_table(root, "stats", STAT_FIELDS, trace.stats_table, options, strings=shared)
+            if trace.compiled_table["region"]:
+                write_table(
+                    root, "compiled", COMPILED_OP_FIELDS, trace.compiled_table, options, strings=shared
+                )
             shared[0].write(root, "strings", options)
             if stack:
                 root.create_dataset(

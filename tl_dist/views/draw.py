@@ -31,6 +31,7 @@ _KIND_COLOURS = {
     "view": "#eeeeee",
     "collective": "#fbd9a6",
     "factory": "#e3f1dc",
+    "compiled": "#d9d2f3",
     "other": "#ffffff",
 }
 _PHASE_BORDER = {"forward": "#555555", "backward": "#b35900", "optimizer": "#6a1b9a", "recompute": "#2e7d32"}
