@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import MergeError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
+from ..store import location
 from ..telemetry import module_name
 from .match import Entry
 from .timing import local_breakdown
@@ -38,41 +39,46 @@ _SHARD_RE = re.compile(r"rank(\d+)[/\\]step(\d+)\.h5$")
 class ShardRef:
     """One shard file and the rank and step its path names."""
 
-    path: Path
+    path: Path | str  # a str is a URL
     rank: int
     step: int
 
 
 def find_shards(path_or_paths: Any) -> list[ShardRef]:
-    """The shards of a run directory (``DIR/rank{R}/step{S}.h5``) or an explicit list of shard paths.
+    """The shards of a run directory (``DIR/rank{R}/step{S}.h5``) or an explicit list of shard paths; a
+    directory or shard given as a URL (``s3://bucket/run42``) is listed and read through fsspec
+    (``tl_dist.store.location``).
 
     Raises:
         MergeError: the directory holds no shards, a path does not exist, or a path is not named
             ``rank{R}/step{S}.h5`` (the rank and step are read from it when the shard cannot be).
     """
     if isinstance(path_or_paths, (str, os.PathLike)):
-        root = Path(path_or_paths)
-        if root.is_dir():
-            found = sorted(root.glob("rank*/step*.h5"))
-            refs = [_ref(p) for p in found if _SHARD_RE.search(p.as_posix())]
+        root = _place(path_or_paths)
+        if location.is_dir(root):
+            if isinstance(root, str):
+                found: list[Any] = location.find(root, "rank*/step*.h5")
+            else:
+                found = sorted(root.glob("rank*/step*.h5"))
+            refs = [_ref(p) for p in found if _SHARD_RE.search(_posix(p))]
             if not refs:
                 raise MergeError(
-                    f"path_or_paths: {root} holds no shards (expected {root}/rank00000/step00000000.h5, as "
-                    "written by tl.arm + tl.capture)"
+                    f"path_or_paths: {root} holds no shards (expected {location.join(root, 'rank00000')}"
+                    "/step00000000.h5, as written by tl.arm + tl.capture)"
                 )
             return refs
         paths = [root]
     elif isinstance(path_or_paths, (list, tuple)) and path_or_paths:
-        paths = [Path(p) for p in path_or_paths]
+        paths = [_place(p) for p in path_or_paths]
     else:
         raise MergeError(
             f"path_or_paths must be a run directory or a non-empty list of shard paths, got {path_or_paths!r}"
         )
     refs = []
     for p in paths:
-        if not p.exists():
+        if not location.exists(p):
             raise MergeError(f"path_or_paths: {p} does not exist")
-        if not _SHARD_RE.search(p.as_posix()):
+        if not _SHARD_RE.search(_posix(p)):
             raise MergeError(
                 f"path_or_paths: {p} is not named rank{{R}}/step{{S}}.h5 as tl.arm writes shards"
             )
@@ -80,8 +86,17 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
     return refs
 
 
-def _ref(p: Path) -> ShardRef:
-    m = _SHARD_RE.search(p.as_posix())
+def _place(p: str | os.PathLike) -> Path | str:
+    """A URL stays a string (never a folder named ``s3:``); anything else is a path."""
+    return str(p).rstrip("/") if location.is_url(p) else Path(p)
+
+
+def _posix(p: Path | str) -> str:
+    return p if isinstance(p, str) else p.as_posix()
+
+
+def _ref(p: Path | str) -> ShardRef:
+    m = _SHARD_RE.search(_posix(p))
     return ShardRef(p, int(m.group(1)), int(m.group(2)))
 
 
@@ -355,7 +370,10 @@ class ShardSource:
         from ..store.hdf5 import open_shard
 
         ref = self.refs[key]
-        with open_shard(ref.path, raw_strings=True) as (root, metadata, failed_op, strings):
+        with (
+            location.reading(ref.path) as path,
+            open_shard(path, raw_strings=True) as (root, metadata, failed_op, strings),
+        ):
             for field, named in (("rank", ref.rank), ("step", ref.step)):
                 value = metadata.get(field)
                 if value is not None and int(value) != named:
