@@ -60,11 +60,25 @@ class DaskEngine:
             raise ValueError(f"workers must be a positive int or None, got {self.workers!r}")
 
 
+def _distributed() -> Any:
+    try:
+        import distributed
+    except ImportError:
+        raise TlDistError(f"engine='dask' needs dask[distributed]: {INSTALL_HINT}") from None
+    return distributed
+
+
 def resolve_engine(engine: Any) -> DaskEngine | None:
     """``merge_ranks``' ``engine=``: None for ``"local"``, else the :class:`DaskEngine` it names (``"dask"``, a
-    scheduler address ``"tcp://HOST:PORT"``, a ``distributed.Client`` or a DaskEngine)."""
+    scheduler address ``"tcp://HOST:PORT"``, a ``distributed.Client`` or a DaskEngine).
+
+    Raises:
+        ValueError: none of those. TlDistError: a Dask engine without dask[distributed] installed.
+    """
     if engine == "local":
         return None
+    if engine == "dask" or isinstance(engine, DaskEngine) or (isinstance(engine, str) and "://" in engine):
+        _distributed()  # before any shard is read
     if engine == "dask":
         return DaskEngine()
     if isinstance(engine, DaskEngine):
@@ -87,10 +101,7 @@ def resolve_engine(engine: Any) -> DaskEngine | None:
 @contextlib.contextmanager
 def connected(engine: DaskEngine) -> Iterator[Any]:
     """A ``distributed.Client`` for ``engine``; what is started here is closed on leaving."""
-    try:
-        import distributed
-    except ImportError:
-        raise TlDistError(f"engine='dask' needs dask[distributed]: {INSTALL_HINT}") from None
+    distributed = _distributed()
     if engine.client is not None:
         yield engine.client
         return
@@ -103,7 +114,7 @@ def connected(engine: DaskEngine) -> Iterator[Any]:
                     n_workers=engine.workers or 2,
                     threads_per_worker=1,
                     processes=True,
-                    dashboard_address=None,
+                    dashboard_address=":0",  # a free port: never clash with a dashboard already running
                 )
             )
             client = stack.enter_context(distributed.Client(cluster))
