@@ -2,6 +2,7 @@
 the local merge's findings, clocks, stragglers, collectives and breakdown, field by field."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from merge_synth import coll, make_trace, write_run
 
 import tl_dist as tl
 from tl_dist.cli import main
-from tl_dist.merge.dask_engine import DaskEngine, resolve_engine
+from tl_dist.merge.dask_engine import DaskEngine, DaskSource, resolve_engine
 
 distributed = pytest.importorskip("distributed")
 
@@ -172,3 +173,52 @@ def test_dask_without_distributed_names_the_extra(tmp_path):
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert "ERR engine='dask' needs dask[distributed]: pip install 'tl_dist[scale]'" in out.stdout, out.stderr
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_merge_is_retried_with_the_same_result(tmp_path, client):
+    from tl_dist.merge.graph import build
+    from tl_dist.merge.sources import ShardSource, find_shards
+
+    _run(tmp_path)
+    local = tl.merge_ranks(tmp_path, strict=False)
+    source = ShardSource(find_shards(tmp_path))
+    keys = sorted(source.refs)
+    remote = DaskSource(source, client, keys)
+    distributed.wait(list(remote._pending.values()))
+    # Every shard is read and held on a worker; kill the worker holding most of them before the client takes
+    # any: their results are lost, and the scheduler must read those shards again on the other worker.
+    holders = client.who_has(list(remote._pending.values()))
+    counts = {}
+    for workers in holders.values():
+        for w in workers:
+            counts[w] = counts.get(w, 0) + 1
+    victim = max(counts, key=counts.get)
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGKILL)
+    got = build(remote, keys, world_size=4, strict=False, expected=list(range(4)), written=_written(source))
+    remote.close()
+    assert counts[victim] > 0
+    _same(got, local)
+
+
+def _written(source):
+    out = {}
+    for step, rank in sorted(source.refs):
+        out.setdefault(rank, []).append(step)
+    return out
+
+
+@pytest.mark.slow
+def test_dask_merge_of_a_run_on_s3(tmp_path):
+    import fsspec
+    from s3_helpers import s3_store
+
+    pytest.importorskip("s3fs")
+    _run(tmp_path / "run")
+    local = tl.merge_ranks(tmp_path / "run", strict=False)
+    with s3_store("bkt"):
+        fsspec.filesystem("s3").put(str(tmp_path / "run") + "/", "bkt/run/", recursive=True)
+        # A LocalCluster the merge starts (its workers read the store with the same configuration).
+        got = tl.merge_ranks("s3://bkt/run", strict=False, engine=DaskEngine(workers=2))
+    _same(got, local)
