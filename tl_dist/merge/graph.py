@@ -400,11 +400,11 @@ def load_merged(
     Example:
         >>> g = tl.load_merged("job42-merged.h5"); g.findings
     """
-    from ..store import location
+    from ..store.location import is_url, reading
     from .persist import open_merged
 
-    if location.is_url(path):  # a local copy, kept while the process runs: views read its tables again
-        with location.reading(path, keep=True) as local:
+    if is_url(path):  # a local copy, kept while the process runs: views read its tables again
+        with reading(path, keep=True) as local:
             return load_merged(local, steps=steps, ranks=ranks)
     stored = open_merged(path, steps=steps, ranks=ranks)
     return build(stored.pop("source"), stored.pop("keys"), strict=False, **stored)
@@ -547,11 +547,11 @@ def _world_hint(refs: list[Any]) -> int | None:
     """The world size the first readable shard's metadata names (a cheap attribute read), or None."""
     import h5py
 
-    from ..store import location
+    from ..store.location import reading
 
     for ref in refs:
         try:
-            with location.reading(ref.path) as path, h5py.File(path, "r") as f:
+            with reading(ref.path) as path, h5py.File(path, "r") as f:
                 value = json.loads(f.attrs["metadata"]).get("world_size")
         except Exception:  # noqa: BLE001 - unreadable shards are reported when the merge reads them
             continue

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import MergeError, ShardFormatError
 from ..schema import COLLECTIVE_FIELDS, OP_FIELDS
-from ..store import location
+from ..store.location import exists, find, is_dir, is_url, join, reading
 from ..telemetry import module_name
 from .match import Entry
 from .timing import local_breakdown
@@ -55,15 +55,15 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
     """
     if isinstance(path_or_paths, (str, os.PathLike)):
         root = _place(path_or_paths)
-        if location.is_dir(root):
+        if is_dir(root):
             if isinstance(root, str):
-                found: list[Any] = location.find(root, "rank*/step*.h5")
+                found: list[Any] = find(root, "rank*/step*.h5")
             else:
                 found = sorted(root.glob("rank*/step*.h5"))
             refs = [_ref(p) for p in found if _SHARD_RE.search(_posix(p))]
             if not refs:
                 raise MergeError(
-                    f"path_or_paths: {root} holds no shards (expected {location.join(root, 'rank00000')}"
+                    f"path_or_paths: {root} holds no shards (expected {join(root, 'rank00000')}"
                     "/step00000000.h5, as written by tl.arm + tl.capture)"
                 )
             return refs
@@ -76,7 +76,7 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
         )
     refs = []
     for p in paths:
-        if not location.exists(p):
+        if not exists(p):
             raise MergeError(f"path_or_paths: {p} does not exist")
         if not _SHARD_RE.search(_posix(p)):
             raise MergeError(
@@ -88,7 +88,7 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
 
 def _place(p: str | os.PathLike) -> Path | str:
     """A URL stays a string (never a folder named ``s3:``); anything else is a path."""
-    return str(p).rstrip("/") if location.is_url(p) else Path(p)
+    return str(p).rstrip("/") if is_url(p) else Path(p)
 
 
 def _posix(p: Path | str) -> str:
@@ -371,7 +371,7 @@ class ShardSource:
 
         ref = self.refs[key]
         with (
-            location.reading(ref.path) as path,
+            reading(ref.path) as path,
             open_shard(path, raw_strings=True) as (root, metadata, failed_op, strings),
         ):
             for field, named in (("rank", ref.rank), ("step", ref.step)):
