@@ -86,6 +86,7 @@ def key(target: str | os.PathLike) -> str:
 
 
 def exists(target: str | os.PathLike) -> bool:
+    """Whether the file or folder (path or URL) exists."""
     if not is_url(target):
         return Path(target).exists()
     fs, path = _filesystem(str(target))
@@ -93,6 +94,7 @@ def exists(target: str | os.PathLike) -> bool:
 
 
 def is_dir(target: str | os.PathLike) -> bool:
+    """Whether ``target`` is a folder (a URL: a prefix with objects under it)."""
     if not is_url(target):
         return Path(target).is_dir()
     fs, path = _filesystem(str(target))
