@@ -193,3 +193,30 @@ def test_url_without_fsspec_names_the_extra(tmp_path):
     assert len(lines) == 3, out.stdout + out.stderr
     assert all("pip install 'tl_dist[scale]'" in line for line in lines)
     assert sorted(os.listdir(tmp_path)) == []  # no 's3:' folder
+
+
+def _ddp_to_s3(rank, world_size, out_dir, url):
+    import torch.distributed as dist
+
+    rank_dir = tl.arm(url)
+    with tl.capture(step=1):
+        t = torch.ones(4) * (rank + 1)
+        dist.all_reduce(t)
+    assert tl.disarm()
+    return {"rank_dir": rank_dir, "sum": t.tolist(), "errors": dict(tl.sink_stats().errors)}
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_write_to_s3_and_merge_from_it(store, tmp_path):
+    from dist_helpers import run_ranks
+
+    results = run_ranks(_ddp_to_s3, world_size=2, tmp_path=tmp_path / "ranks", args=("s3://bkt/ddp",))
+    assert [r["rank_dir"] for r in results] == ["s3://bkt/ddp/rank00000", "s3://bkt/ddp/rank00001"]
+    assert results[0]["sum"] == [3.0] * 4 and all(r["errors"] == {} for r in results)
+    assert s3_objects("bkt/ddp") == [
+        "s3://bkt/ddp/rank00000/step00000001.h5",
+        "s3://bkt/ddp/rank00001/step00000001.h5",
+    ]
+    g = tl.merge_ranks("s3://bkt/ddp")
+    assert (g.ranks, g.steps, g.findings) == ([0, 1], [1], [])
+    assert list(g.collectives.verdict) == ["matched"] and list(g.collectives.func) == ["all_reduce"]
