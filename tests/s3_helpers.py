@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -61,6 +62,8 @@ def s3_store(*buckets: str) -> Iterator[str]:
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
+    # moto keeps its buckets in process-wide state: an earlier server's objects would still be there.
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
     try:
         with s3_config({"endpoint_url": endpoint}):
             import fsspec
