@@ -10,7 +10,14 @@ time, microseconds per op, peak RSS, findings (0 expected) and the clock estimat
 Goals (issue 12): 1,024 ranks x 5,000 ops x 500 collectives, one step, in <= 30 s and <= 4 GB peak RSS;
 64 ranks x 20 steps linear in total ops (same us/op as 64 ranks x 1 step).
 
+``--engine dask`` (issue 26) merges each case on a ``distributed.LocalCluster`` of ``--workers`` processes
+instead (``--engine both``: local, then Dask): merge wall time without the cluster's start, the peak RSS of the
+client process (which also hosts the LocalCluster's scheduler) and of each worker. The client must not grow
+with the ranks beyond the collective records (docs/merge.md, "On Dask").
+
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_merge.py [--ranks 64 256 1024] [--steps20 64]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_merge.py --engine both --ranks 1024 4096 \
+        --steps20
 """
 
 from __future__ import annotations
@@ -130,17 +137,36 @@ def write_run(root: Path, world: int, steps: int) -> Path:
 _CHILD = """
 import json, resource, sys, time
 import tl_dist as tl
-from bench_merge import host_shift, RANKS_PER_HOST
+from bench_merge import host_shift, RANKS_PER_HOST, peak_rss
+workers = int(sys.argv[2])
+if workers:
+    import distributed
+    cluster = distributed.LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+    )
+    client = distributed.Client(cluster)
+    client.wait_for_workers(workers)
+    # Workers import tl_dist (torch) once, on their first task: a start-up cost, not the merge's.
+    t = time.perf_counter()
+    client.run(__import__, "tl_dist.merge.dask_engine")
+    warm_s = time.perf_counter() - t
+    engine, idle_rss = client, peak_rss()
+else:
+    engine, idle_rss, warm_s = "local", 0, 0.0
 t, cpu = time.perf_counter(), time.process_time()
-g = tl.merge_ranks(sys.argv[1])
+g = tl.merge_ranks(sys.argv[1], engine=engine)
 elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+worker_rss = sorted(client.run(peak_rss).values()) if workers else []
 clocks = g.clocks
 est = clocks[clocks.method == "estimated"]
 errors = [abs(int(r.offset_ns) - host_shift(int(r.rank) // RANKS_PER_HOST)) for r in est.itertuples()]
 print(json.dumps({
     "seconds": elapsed,
     "cpu": cpu,
-    "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "peak_rss": peak_rss(),
+    "idle_rss": idle_rss,
+    "warm_s": warm_s,
+    "worker_rss": worker_rss,
     "findings": len(g.findings),
     "ops": int(g.time_breakdown().ops.sum()),
     "max_error_ns": max(errors, default=0),
@@ -151,10 +177,18 @@ print(json.dumps({
 """
 
 
-def merge_in_child(run: Path) -> dict:
+def peak_rss() -> int:
+    """This process's peak resident memory, bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def merge_in_child(run: Path, workers: int = 0) -> dict:
+    """Merge ``run`` in a fresh process: locally, or (``workers``) on a LocalCluster of that many processes."""
     here = Path(__file__).resolve().parent
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(run)],
+        [sys.executable, "-c", _CHILD, str(run), str(workers)],
         capture_output=True,
         text=True,
         cwd=here,
@@ -173,6 +207,8 @@ def main() -> None:
     parser.add_argument(
         "--dir", help="keep the synthetic runs here and reuse them next time (default: temporary)"
     )
+    parser.add_argument("--engine", choices=["local", "dask", "both"], default="local", help="merge engine")
+    parser.add_argument("--workers", type=int, default=2, help="Dask worker processes (--engine dask/both)")
     args = parser.parse_args()
     tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tl_bench_merge_"))
     print(f"{OPS} ops and {COLLS} all_reduces per rank and step, {RANKS_PER_HOST} ranks per host")
@@ -180,10 +216,10 @@ def main() -> None:
         f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (merge time is wall clock)"
     )
     print(
-        f"{'ranks':>6} {'steps':>5} {'write s':>8} {'merge s':>8} {'cpu s':>6} {'us/op':>6} {'cpu us/op':>9} "
-        f"{'peak RSS':>9} "
-        f"{'findings':>8} {'clock err / unc (us)':>21}"
+        f"{'ranks':>6} {'steps':>5} {'engine':>7} {'write s':>8} {'merge s':>8} {'cpu s':>6} {'us/op':>6} "
+        f"{'cpu us/op':>9} {'peak RSS':>9} {'findings':>8} {'clock err / unc (us)':>21}  workers' peak RSS"
     )
+    engines = {"local": [0], "dask": [args.workers], "both": [0, args.workers]}[args.engine]
     cases = [(w, 1) for w in args.ranks] + [(w, 20) for w in args.steps20]
     per_op = {}
     try:
@@ -192,19 +228,25 @@ def main() -> None:
             t = time.perf_counter()
             write_run(run, world, steps)
             written = time.perf_counter() - t
-            results = [merge_in_child(run) for _ in range(args.rounds)]
-            res = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
-            us = res["seconds"] / res["ops"] * 1e6
-            cpu_us = res["cpu"] / res["ops"] * 1e6
-            per_op[(world, steps)] = (us, cpu_us)
-            clock = f"{res['max_error_ns'] / 1e3:.1f} / {res['max_uncertainty_ns'] / 1e3:.1f}" + (
-                "" if res["within"] else " ERROR > UNC"
-            )
-            print(
-                f"{world:>6} {steps:>5} {written:>8.1f} {res['seconds']:>8.2f} {res['cpu']:>6.1f} {us:>6.2f} "
-                f"{cpu_us:>9.2f} "
-                f"{res['peak_rss'] / 2**30:>7.2f}GB {res['findings']:>8} {clock:>21}"
-            )
+            for workers in engines:
+                results = [merge_in_child(run, workers) for _ in range(args.rounds)]
+                res = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
+                us = res["seconds"] / res["ops"] * 1e6
+                cpu_us = res["cpu"] / res["ops"] * 1e6
+                if not workers:
+                    per_op[(world, steps)] = (us, cpu_us)
+                clock = f"{res['max_error_ns'] / 1e3:.1f} / {res['max_uncertainty_ns'] / 1e3:.1f}" + (
+                    "" if res["within"] else " ERROR > UNC"
+                )
+                engine = f"dask{workers}" if workers else "local"
+                on_workers = " ".join(f"{b / 2**30:.2f}GB" for b in res["worker_rss"])
+                if workers:
+                    on_workers += f" (client idle {res['idle_rss'] / 2**30:.2f}GB; workers' import {res['warm_s']:.1f} s)"
+                print(
+                    f"{world:>6} {steps:>5} {engine:>7} {written:>8.1f} {res['seconds']:>8.2f} "
+                    f"{res['cpu']:>6.1f} {us:>6.2f} {cpu_us:>9.2f} {res['peak_rss'] / 2**30:>7.2f}GB "
+                    f"{res['findings']:>8} {clock:>21}  {on_workers}"
+                )
             if not args.dir:
                 shutil.rmtree(run)
     finally:

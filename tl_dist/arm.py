@@ -35,7 +35,7 @@ from ._stacks import frame_stack, traceback_stack
 from .compiled import watch_compiles
 from .options import CaptureOptions, check_options
 from .sinks import SinkStats, SinkWorker, check_sinks
-from .store import ShardOptions, ShardSink
+from .store import ShardOptions, ShardSink, location
 
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
 _DEFAULT_SHARD = ShardOptions()
@@ -46,10 +46,11 @@ SIGNAL_FLUSH_S = 10.0
 """How long a terminating signal (SIGTERM) waits for them before the process ends."""
 
 
-def _run_id(out_dir: Path | None, host: str) -> str:
+def _run_id(out_dir: Path | str | None, host: str) -> str:
     """One id for every rank of the run without talking to the others: torchelastic's run id, else the shard
     folder's name, else the rendezvous address, else this process."""
-    for value in (os.environ.get("TORCHELASTIC_RUN_ID"), out_dir.name if out_dir is not None else None):
+    folder = location.name(out_dir) if out_dir is not None else None
+    for value in (os.environ.get("TORCHELASTIC_RUN_ID"), folder):
         if value:
             return value
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
@@ -57,7 +58,7 @@ def _run_id(out_dir: Path | None, host: str) -> str:
     return f"{host}-{os.getpid()}"
 
 
-def _run_metadata(out_dir: Path | None) -> dict[str, Any]:
+def _run_metadata(out_dir: Path | str | None) -> dict[str, Any]:
     """Rank, world size and backend from the default process group; rank 0 of world 1 without one."""
     rank, world, backend = 0, 1, ""
     dist = torch.distributed
@@ -92,7 +93,7 @@ class Armed:
 
     def __init__(
         self,
-        out_dir: Path | None,
+        out_dir: Path | str | None,
         *,
         options: CaptureOptions,
         every: int | None,
@@ -107,7 +108,8 @@ class Armed:
         self.shard_sink = ShardSink(out_dir, shard=shard) if out_dir is not None else None
         all_sinks = ((self.shard_sink,) if self.shard_sink is not None else ()) + sinks
         self.worker = SinkWorker(all_sinks)
-        self.rank_dir = out_dir / f"rank{self.metadata['rank']:05d}" if out_dir is not None else None
+        rank_dir = f"rank{self.metadata['rank']:05d}"
+        self.rank_dir = location.join(out_dir, rank_dir) if out_dir is not None else None
         self.windows = 0
         self.previous_handlers: dict[int, Any] = {}
         self.watcher: _SignalWatcher | None = None
@@ -154,7 +156,7 @@ class Window:
                 # Serialised with post-mortem writes (the signal watcher may be writing this window's
                 # snapshot): the shard that ends up under the name is this final one.
                 with _writing:
-                    armed.shard_sink.write(trace, complete=False)
+                    armed.shard_sink.write(trace, complete=False, timeout=SIGNAL_FLUSH_S)
             except Exception as write_exc:  # noqa: BLE001 - the user's exception is the one to see
                 warnings.warn(
                     f"tl_dist: could not write post-mortem shard {self.path}: {write_exc}", stacklevel=3
@@ -177,7 +179,7 @@ def arm(
     sinks: Any = (),
     options: CaptureOptions = _DEFAULT_OPTIONS,
     shard: ShardOptions = _DEFAULT_SHARD,
-) -> Path | None:
+) -> Path | str | None:
     """Arm this process: ``tl.capture`` windows go to sinks -- the shard writer under ``out_dir``, and ``sinks``.
 
     Call once per process, after ``init_process_group`` (without a process group the process is rank 0 of a
@@ -187,8 +189,11 @@ def arm(
     incomplete shard (with ``out_dir``) and flush the sinks.
 
     Args:
-        out_dir: root folder of the run; this rank writes ``out_dir/rank{RRRRR}/step{SSSSSSSS}.h5``. None: no
-            shards (and no post-mortem shards), only ``sinks``.
+        out_dir: root folder of the run; this rank writes ``out_dir/rank{RRRRR}/step{SSSSSSSS}.h5``. A URL
+            (``s3://bucket/run42``, any fsspec URL; needs ``tl_dist[scale]``): each shard is written to a
+            local spool (``$TL_DIST_SPOOL``), then uploaded so that no reader sees a partial object; a failed
+            upload keeps the spooled shard and the warning names it (docs/merge.md, "Object storage"). None:
+            no shards (and no post-mortem shards), only ``sinks``.
         every: capture policy for integrations: ``tl.should_capture(step)`` is True when
             ``step % every == 0``; None captures every step.
         sinks: more consumers of finished windows (:class:`tl_dist.Sink`: ``on_window(trace, telemetry)`` and
@@ -198,7 +203,7 @@ def arm(
         shard: chunking/compression of shards, see :class:`tl_dist.store.ShardOptions`.
 
     Returns:
-        This rank's shard folder (None without ``out_dir``).
+        This rank's shard folder (a URL for a URL ``out_dir``; None without ``out_dir``).
 
     Example:
         >>> tl.arm("runs/job42", options=tl.CaptureOptions(save=tl.func("relu")), every=10)
@@ -219,13 +224,19 @@ def arm(
     if not isinstance(shard, ShardOptions):
         raise ValueError(f"shard must be a tl_dist.store.ShardOptions, got {type(shard).__name__}")
     sinks = check_sinks(sinks)
-    root = Path(out_dir) if out_dir is not None else None
-    if root is not None and root.exists() and not root.is_dir():
+    root = (out_dir if location.is_url(out_dir) else Path(out_dir)) if out_dir is not None else None
+    if isinstance(root, Path) and root.exists() and not root.is_dir():
         raise ValueError(f"out_dir {str(root)!r} exists and is not a folder")
+    if isinstance(root, str):
+        location.check_writable(root)
     if root is None and not sinks:
         raise ValueError("arm needs out_dir (write shards) or sinks (consumers of windows), got neither")
     if _state is not None:
-        if _state.out_dir is not None and root is not None and _state.out_dir.resolve() != root.resolve():
+        if (
+            _state.out_dir is not None
+            and root is not None
+            and location.key(_state.out_dir) != location.key(root)
+        ):
             warnings.warn(
                 f"tl.arm({str(root)!r}): re-arming; windows now go to {str(root)!r} instead of "
                 f"{str(_state.out_dir)!r}",
@@ -234,7 +245,7 @@ def arm(
             )
         disarm()
     state = Armed(root, options=options, every=every, sinks=sinks, shard=shard)
-    if state.rank_dir is not None:
+    if isinstance(state.rank_dir, Path):
         state.rank_dir.mkdir(parents=True, exist_ok=True)
     _install_handlers(state)
     watch_compiles()  # before the job compiles: its compiled regions then carry FLOPs and their ATen ops
@@ -354,7 +365,7 @@ def write_postmortem(reason: str, frame: Any = None) -> Path | None:
             meta = window.metadata(complete=False, reason=reason)
             meta.update(frame_stack(frame))
             trace.metadata.update(meta)
-            return state.shard_sink.write(trace, complete=False)
+            return state.shard_sink.write(trace, complete=False, timeout=SIGNAL_FLUSH_S)
     except Exception as exc:  # noqa: BLE001 - never raise out of a signal handler or atexit
         print(f"tl_dist: could not write post-mortem shard {window.path}: {exc}", file=sys.stderr)
         return None

@@ -7,6 +7,7 @@ Example:
     $ tl-dist draw runs/job42 -o job42.svg --phase backward
     $ tl-dist export runs/job42 --perfetto job42.json --step 100 --rank 0-7
     $ tl-dist report runs/job42 -o job42.html
+    $ tl-dist merge s3://bucket/job42 --scheduler tcp://10.0.0.5:8786   # shards read on a Dask cluster
 
 Exit codes: 0 success, 1 findings exist (unless ``--no-fail``), 2 bad input (missing, unreadable or
 unmergeable shards; a message names the file). Output cut short by a closed pipe (``| head``) is no error.
@@ -24,8 +25,9 @@ from typing import Any
 
 from .errors import ShardFormatError, TlDistError
 from .merge import load_merged, merge_ranks
+from .merge.dask_engine import DaskEngine
 from .schema import PHASES
-from .store import file_kind, load
+from .store import file_kind, load, location
 from .views.draw import DrawNote
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
@@ -35,16 +37,21 @@ EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 _FLAGS = {"strict=False": "--lenient"}
 
 
-def _open(path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: Any = None) -> Any:
+def _open(
+    path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: Any = None, engine: Any = "local"
+) -> Any:
     """A MergedTrace from a run directory or a merged ``.h5`` file (only ``steps`` / ``ranks`` when given); a
-    Trace from one shard."""
-    p = Path(path)
-    if p.is_dir():
-        return merge_ranks(p, strict=strict, progress=progress, steps=steps, ranks=ranks)
-    if not p.exists():
+    Trace from one shard. Each may be a URL (``s3://...``); ``engine``: ``merge_ranks``' for a run directory."""
+    p = path if location.is_url(path) else Path(path)
+    if location.is_dir(p):
+        return merge_ranks(p, strict=strict, progress=progress, steps=steps, ranks=ranks, engine=engine)
+    if not location.exists(p):
         raise TlDistError(
             f"{path}: no such file or directory (expected a run directory, a merged .h5 or a shard)"
         )
+    if isinstance(p, str):  # one file at a URL: a local copy, kept while the command runs
+        with location.reading(p, keep=True) as local:
+            return _open(str(local), strict=strict, progress=progress, steps=steps, ranks=ranks)
     try:
         merged = file_kind(p) == "merged"
     except ShardFormatError as exc:
@@ -74,6 +81,25 @@ def _int_list(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"expected non-negative N or A-B with A <= B, got {part!r}")
         out.extend(range(lo, hi + 1))
     return out
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    """``merge_ranks``' ``engine`` from ``--scheduler`` / ``--workers``."""
+    if args.scheduler is None and args.workers is None:
+        return "local"
+    if args.scheduler is not None and args.workers is not None:
+        raise ValueError("--scheduler and --workers exclude each other (the cluster has its own workers)")
+    return DaskEngine(scheduler=args.scheduler, workers=args.workers)
 
 
 def _depth(text: str) -> int | str | None:
@@ -111,6 +137,17 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--rank", type=_int_list, action="extend", metavar="RANKS", help="only these ranks: 0-7,12"
+        )
+        p.add_argument(
+            "--scheduler",
+            metavar="ADDRESS",
+            help="read the shards on this Dask cluster (tcp://HOST:PORT; needs tl_dist[scale])",
+        )
+        p.add_argument(
+            "--workers",
+            type=_positive,
+            metavar="N",
+            help="read the shards on a local Dask cluster of N worker processes (needs tl_dist[scale])",
         )
 
     p = sub.add_parser("merge", help="merge a run's shards, print the findings, optionally save the result")
@@ -178,7 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = not args.quiet and sys.stderr.isatty()
     try:
         target = _open(
-            args.path, strict=not args.lenient, progress=progress, steps=args.step, ranks=args.rank
+            args.path,
+            strict=not args.lenient,
+            progress=progress,
+            steps=args.step,
+            ranks=args.rank,
+            engine=_engine(args),
         )
         if args.command == "merge" and not hasattr(target, "findings"):
             # One shard merged: the other ranks of its world are reported as missing_rank findings.

@@ -19,6 +19,9 @@ from typing import Any
 
 from ..errors import MergeError, SelectionError, ShardFormatError, TlDistError
 from ..store import read_metadata
+from ..store.location import is_dir as location_is_dir
+from ..store.location import is_url, reading
+from .dask_engine import DaskEngine, DaskSource, connected, resolve_engine
 from .graph import MergedTrace
 from .persist import open_merged
 from .sources import GivenPaths, Interner, RankData, ShardSource, check_subset, find_shards
@@ -116,6 +119,9 @@ def load_merged(
     Example:
         >>> g = tl.load_merged("job42-merged.h5"); g.findings
     """
+    if is_url(path):  # a local copy, kept while the process runs: views read its tables again
+        with reading(path, keep=True) as local:
+            return load_merged(local, steps=steps, ranks=ranks)
     stored = open_merged(path, steps=steps, ranks=ranks)
     return build(stored.pop("source"), stored.pop("keys"), strict=False, **stored)
 
@@ -136,6 +142,7 @@ def merge_ranks(
     steps: Iterable[int] | None = None,
     ranks: Iterable[int] | None = None,
     progress: bool = False,
+    engine: Any = "local",
 ) -> MergedTrace:
     """Join the rank-local shards of a job into one :class:`MergedTrace`.
 
@@ -145,13 +152,18 @@ def merge_ranks(
     collectives). Shards are read one step at a time. Full reference: ``docs/merge.md``.
 
     Args:
-        path_or_paths: a run directory (``DIR/rank{R}/step{S}.h5``, all steps) or a list of shard paths.
+        path_or_paths: a run directory (``DIR/rank{R}/step{S}.h5``, all steps) or a list of shard paths;
+            either may be an fsspec URL (``s3://bucket/run42``; needs ``tl_dist[scale]``).
         strict: raise :class:`~tl_dist.errors.MergeError` when a shard is missing or unreadable; False merges
             the rest and reports ``missing_rank`` / ``unreadable_shard`` findings.
         world_size: ranks the job had; default: what the shards' metadata say.
         steps: merge only these captured steps (e.g. ``[100, 200]``); None: all.
         ranks: merge only these ranks (their collectives are judged on the ranks chosen); None: all.
         progress: show a progress bar while reading shards.
+        engine: where shards are read: ``"local"`` (this process), or on Dask workers (``tl_dist[scale]``):
+            ``"dask"`` (a LocalCluster started for the merge), a scheduler address (``"tcp://HOST:8786"``), a
+            ``distributed.Client``, or a :class:`~tl_dist.merge.dask_engine.DaskEngine`. The result is the
+            same; see ``docs/merge.md`` ("On Dask").
 
     Returns:
         The merged trace; ``.findings`` is empty for a healthy run.
@@ -173,13 +185,14 @@ def merge_ranks(
     if not isinstance(progress, bool):
         raise ValueError(f"progress must be a bool, got {progress!r}")
     want_steps, want_ranks = check_subset(steps, "steps"), check_subset(ranks, "ranks")
+    dask = resolve_engine(engine)
     # Reading and joining allocate many small objects (one record per collective per rank); the cyclic GC
     # walking them again and again made the merge superlinear in ranks. Nothing here makes cycles, so it is
     # paused for the merge (and restored if it was on).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _merge(path_or_paths, strict, world_size, want_steps, want_ranks, progress)
+        return _merge(path_or_paths, strict, world_size, want_steps, want_ranks, progress, dask)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -192,9 +205,10 @@ def _merge(
     steps: frozenset[int] | None,
     ranks: frozenset[int] | None,
     progress: bool,
+    dask: DaskEngine | None = None,
 ) -> MergedTrace:
     refs = find_shards(path_or_paths)
-    is_dir = isinstance(path_or_paths, (str, os.PathLike)) and os.path.isdir(path_or_paths)
+    is_dir = isinstance(path_or_paths, (str, os.PathLike)) and location_is_dir(path_or_paths)
     given = None if is_dir else GivenPaths.of(refs)
     written: dict[int, list[int]] = {}
     for step, rank in sorted({(r.step, r.rank) for r in refs} | set(given.beside if given else ())):
@@ -231,23 +245,31 @@ def _merge(
                     + "; pass strict=False to merge the other ranks and report it as a finding"
                 )
     source = ShardSource(chosen)
-    return build(
-        source,
-        sorted(source.refs),
-        world_size=world,
-        strict=strict,
-        expected=expected,
-        written=written,
-        given=given,
-        progress=progress,
-    )
+    keys = sorted(source.refs)
+    run = {
+        "world_size": world,
+        "strict": strict,
+        "expected": expected,
+        "written": written,
+        "given": given,
+        "progress": progress,
+    }
+    if dask is None:
+        return build(source, keys, **run)
+    with connected(dask) as client:
+        remote = DaskSource(source, client, keys)
+        try:
+            return build(remote, keys, **run)
+        finally:
+            remote.close()
 
 
 def _world_hint(refs: list[Any]) -> int | None:
     """The world size the first readable shard's metadata names (a cheap attribute read), or None."""
     for ref in refs:
         try:
-            value = read_metadata(ref.path).get("world_size")
+            with reading(ref.path) as path:
+                value = read_metadata(path).get("world_size")
         except ShardFormatError:  # unreadable shards are reported when the merge reads them
             continue
         if value is not None:

@@ -34,6 +34,7 @@ from ..store import (
     read_ragged_rows,
     read_table,
 )
+from ..store.location import exists, find, is_dir, is_url, join, reading
 from ..trace import Trace
 from .match import Entry
 
@@ -44,13 +45,15 @@ _SHARD_RE = re.compile(r"rank(\d+)[/\\]step(\d+)\.h5$")
 class ShardRef:
     """One shard file and the rank and step its path names."""
 
-    path: Path
+    path: Path | str  # a str is a URL
     rank: int
     step: int
 
 
 def find_shards(path_or_paths: Any) -> list[ShardRef]:
-    """The shards of a run directory (``DIR/rank{R}/step{S}.h5``) or an explicit list of shard paths.
+    """The shards of a run directory (``DIR/rank{R}/step{S}.h5``) or an explicit list of shard paths; a
+    directory or shard given as a URL (``s3://bucket/run42``) is listed and read through fsspec
+    (``tl_dist.store.location``).
 
     Raises:
         MergeError: the directory holds no shards, a path does not exist, or a path is not named
@@ -58,27 +61,27 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
     """
     # Messages lead with the path, not the Python argument's name: `tl-dist` users see them too.
     if isinstance(path_or_paths, (str, os.PathLike)):
-        root = Path(path_or_paths)
-        if root.is_dir():
+        root = _place(path_or_paths)
+        if is_dir(root):
             refs = _shards_in(root)
             if not refs:
                 raise MergeError(
-                    f"{root} holds no shards (expected {root}/rank00000/step00000000.h5, as written by "
-                    "tl.arm + tl.capture)"
+                    f"{root} holds no shards (expected {join(root, 'rank00000')}/step00000000.h5, as written "
+                    "by tl.arm + tl.capture)"
                 )
             return refs
         paths = [root]
     elif isinstance(path_or_paths, (list, tuple)) and path_or_paths:
-        paths = [Path(p) for p in path_or_paths]
+        paths = [_place(p) for p in path_or_paths]
     else:
         raise MergeError(
             f"merge_ranks takes a run directory or a non-empty list of shard paths, got {path_or_paths!r}"
         )
     refs = []
     for p in paths:
-        if not p.exists():
+        if not exists(p):
             raise MergeError(f"{p} does not exist (expected a run directory or a shard)")
-        if not _SHARD_RE.search(p.as_posix()):
+        if not _SHARD_RE.search(_posix(p)):
             raise MergeError(
                 f"{p} is not named rank{{R}}/step{{S}}.h5 as tl.arm writes shards (a saved trace: open it with "
                 "tl.load)"
@@ -87,8 +90,16 @@ def find_shards(path_or_paths: Any) -> list[ShardRef]:
     return refs
 
 
-def _shards_in(root: Path) -> list[ShardRef]:
-    return [_ref(p) for p in sorted(root.glob("rank*/step*.h5")) if _SHARD_RE.search(p.as_posix())]
+def _shards_in(root: Path | str) -> list[ShardRef]:
+    found: list[Any] = (
+        find(root, "rank*/step*.h5") if isinstance(root, str) else sorted(root.glob("rank*/step*.h5"))
+    )
+    return [_ref(p) for p in found if _SHARD_RE.search(_posix(p))]
+
+
+def _run_dir(p: Path | str) -> Path | str:
+    """The run directory of a shard path ``RUN/rank{R}/step{S}.h5`` (a URL stays a string)."""
+    return p.rsplit("/", 2)[0] if isinstance(p, str) else p.parent.parent
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,7 @@ class GivenPaths:
     @classmethod
     def of(cls, refs: list[ShardRef]) -> GivenPaths:
         given = {(r.step, r.rank) for r in refs}
-        roots = sorted({r.path.parent.parent for r in refs}, key=str)
+        roots = sorted({_run_dir(r.path) for r in refs}, key=str)
         beside = {
             (r.step, r.rank): str(r.path)
             for root in roots
@@ -129,8 +140,17 @@ class GivenPaths:
         return cls(int(d["count"]), tuple(d["roots"]), beside)
 
 
-def _ref(p: Path) -> ShardRef:
-    m = _SHARD_RE.search(p.as_posix())
+def _place(p: str | os.PathLike) -> Path | str:
+    """A URL stays a string (never a folder named ``s3:``); anything else is a path."""
+    return str(p).rstrip("/") if is_url(p) else Path(p)
+
+
+def _posix(p: Path | str) -> str:
+    return p if isinstance(p, str) else p.as_posix()
+
+
+def _ref(p: Path | str) -> ShardRef:
+    m = _SHARD_RE.search(_posix(p))
     return ShardRef(p, int(m.group(1)), int(m.group(2)))
 
 
@@ -394,7 +414,10 @@ class ShardSource:
     def read(self, key: tuple[int, int], names: Interner) -> RankData:
         """Raises ShardFormatError (unreadable, names the file) or MergeError (rank/step disagree with its path)."""
         ref = self.refs[key]
-        with open_shard(ref.path, raw_strings=True) as (root, metadata, failed_op, strings):
+        with (
+            reading(ref.path) as path,
+            open_shard(path, raw_strings=True) as (root, metadata, failed_op, strings),
+        ):
             for field, named in (("rank", ref.rank), ("step", ref.step)):
                 value = metadata.get(field)
                 if value is not None and int(value) != named:

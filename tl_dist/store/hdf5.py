@@ -29,6 +29,7 @@ from ..schema import (
     STAT_FIELDS,
 )
 from ..trace import Trace
+from . import location
 from .codecs import ENCODING_VERSION, read_table
 from .writer import _OUTPUT_OF_FIELDS, _TREE_FIELDS, ROOT_ENCODING, ShardOptions, write_shard
 
@@ -187,7 +188,7 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
     """Load a shard written by an armed capture (or :func:`write_shard`) as a :class:`Trace`.
 
     Args:
-        path: the ``.h5`` shard.
+        path: the ``.h5`` shard: a path, or a URL (``s3://...``, needs ``tl_dist[scale]``; downloaded once).
         tensors: keep saved activations/gradients reachable (read lazily, on first access of each op's
             ``.out``); False leaves them out entirely (merging many shards).
 
@@ -208,6 +209,9 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
         raise ValueError(f"path must be a str or os.PathLike naming a shard file, got {type(path).__name__}")
     if not isinstance(tensors, bool):
         raise ValueError(f"tensors must be a bool, got {tensors!r}")
+    if location.is_url(path):  # a local copy, kept while the process runs: saved tensors are read from it
+        with location.reading(path, keep=True) as local:
+            return load(local, tensors=tensors)
     path = Path(path)
     if path.is_dir():
         example = next(iter(sorted(path.glob("rank*/step*.h5"))), None)
@@ -269,6 +273,9 @@ def load_columns(path: str | os.PathLike, fields: Iterable[str]) -> Trace:
     Raises:
         ShardFormatError: as :func:`load`.
     """
+    if location.is_url(path):
+        with location.reading(path, keep=True) as local:
+            return load_columns(local, fields)
     wanted = frozenset(fields) | {"index", "label"}
     with open_shard(Path(path)) as (root, metadata, failed_op, strings):
         columns = read_table(root, "ops", tuple(f for f in OP_FIELDS if f.name in wanted), strings=strings)
