@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from ._common import RowView, flat_outputs, storage_key
-from ._opinfo import mutated_tensors, op_info
+from ._common import RowView, clone_strided, flat_outputs, storage_key
+from ._opinfo import draws_random, mutated_tensors, op_info
 from .causal import selector_parts
 from .edits import Edit, Site, When, check_result, when
 from .errors import TlDistError
@@ -204,9 +204,7 @@ class _Replay:
             return
         func, skeleton_args, skeleton_kwargs, srcs, consts = record
         info = op_info(func)
-        if info.kind == "collective" or (
-            info.nondeterministic and draws_random(func, skeleton_args, skeleton_kwargs)
-        ):
+        if info.kind == "collective" or draws_random(info, func, skeleton_args, skeleton_kwargs):
             why = "random op" if info.nondeterministic else "collective (it needs every member rank)"
             self.not_replayed[labels[i]] = f"{why}: its recorded output is reused"
             self.values[i] = [None if t is None else t.clone() for t in self.trace.saved.get(i, ())]
@@ -259,7 +257,7 @@ class _Replay:
         written = mutated_tensors(info, args, kwargs) if info.mutated else []
         if any(id(t) in external_ids for t in written):
             # Never write into the model's parameters or the trace's constants: into copies.
-            copies = {id(t): t.clone() for t in written if id(t) in external_ids}
+            copies = {id(t): clone_strided(t) for t in written if id(t) in external_ids}
             tensors = [copies.get(id(t), t) for t in tensors]
             args, kwargs = fill_args(skeleton_args, skeleton_kwargs, tensors)
             written = mutated_tensors(info, args, kwargs)
@@ -274,9 +272,9 @@ class _Replay:
                 "have changed what this op receives; rerun(model, x) runs the model's code instead"
             ) from exc
         outs: list[Tensor | None] = list(flat_outputs(raw))
+        # Outputs a kernel leaves undefined (None: mkldnn_rnn_layer's workspace without grad) are absent, as in
+        # the recorder's list: the same op gets the same outputs in a trace and its replay.
         self.returned[i] = len(outs)
-        if type(raw) is tuple or type(raw) is list:
-            outs += [None] * sum(o is None for o in raw)  # outputs a no_grad kernel leaves undefined
         n_recorded = len(self.cols["out_shapes"][i])
         # An in-place write into a view: its base is an extra output (Recorder._with_written_bases).
         for t in written:
@@ -378,17 +376,6 @@ def _slot_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
         elif type(a) is list or type(a) is tuple:
             found += [b for b in a if isinstance(b, Tensor)]
     return found
-
-
-def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a call of a random op (tagged ``nondeterministic_seeded``) really draws numbers: not with a dropout
-    probability of 0 (attention kernels take ``dropout_p=0.0`` in eval) or ``train=False``."""
-    for k, arg in enumerate(getattr(func, "_schema", None).arguments if hasattr(func, "_schema") else ()):
-        if arg.name in ("dropout_p", "p", "train"):
-            value = args[k] if k < len(args) else kwargs.get(arg.name, getattr(arg, "default_value", None))
-            if value is False or (arg.name != "train" and value == 0):
-                return False
-    return True
 
 
 def _output(trace: Trace, values: dict[int, list]) -> Any:

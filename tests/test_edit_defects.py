@@ -1,0 +1,151 @@
+"""Interventions and replay on models from outside the zoo (issue 20, section 2), against plain PyTorch.
+
+Each test pins a defect found running tl_dist over a peer's model suite: fused fast paths an edited run left,
+replays that were not bit for bit, compare/validate rules that disagreed with replay, and the edit API's
+spelling. References are the model run again by hand (plain PyTorch), or values computed in the comments.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tl_dist as tl
+
+
+class AttnBlock(nn.Module):
+    """Self-attention then a layout change: eval + no_grad takes MHA's fused fast path (one op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, _ = self.attn(x, x, x)
+        return a.permute(0, 2, 1).reshape(2, -1)
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x)
+        raise RuntimeError("boom")
+
+
+# ------------------------------------------------------------------- an edited run takes the clean run's path
+
+
+def test_op_site_edit_keeps_mha_on_its_fast_path_so_the_label_edits_the_same_op() -> None:
+    torch.manual_seed(0)
+    model, x = AttnBlock().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        clean = tl.trace(model, x)
+        edited = tl.trace(model, x, intervene=tl.when(tl.label("clone_1"), tl.zero_ablate()))
+    funcs = ["_native_multi_head_attention", "permute", "clone", "_unsafe_view"]
+    assert [op.func for op in clean] == funcs
+    # Before the fix the edited run had 38 ops (MHA's slow path) and zeroed a copy inside attention.
+    assert [op.func for op in edited] == funcs
+    assert edited.metadata["edited"] == {"clone_1": "tl.zero_ablate()"}
+    # clone_1 is the permuted attention output, the reshape only views it: all zeros
+    assert torch.equal(edited.output, torch.zeros(2, 80))
+
+
+def test_op_site_edit_keeps_the_fused_encoder_layer_and_matches_plain_pytorch() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        clean = tl.trace(layer, x)
+        fused = clean[0].label
+        edited = tl.trace(layer, x, intervene=tl.when(tl.label(fused), tl.scale(2.0)))
+        want = layer(x) * 2.0  # plain PyTorch: the fused layer's output, doubled
+    assert [op.func for op in clean] == ["_transformer_encoder_layer_fwd"]
+    assert [op.label for op in edited] == [fused]
+    assert torch.equal(edited.output, want)
+
+
+def test_the_fast_path_patch_is_gone_after_the_window_even_when_the_model_raises() -> None:
+    original = torch._C._has_torch_function
+    with pytest.raises(RuntimeError, match="boom"):
+        tl.trace(Boom(), torch.randn(3), intervene=tl.when(tl.func("relu"), tl.zero_ablate()))
+    assert torch.overrides.has_torch_function is original
+    # and a plain mode of the user's still makes MHA leave its fast path, as without tl_dist
+    tl.trace(AttnBlock().eval(), torch.randn(2, 5, 16), intervene=tl.when(tl.label("clone_1"), tl.scale(1.0)))
+    assert torch.overrides.has_torch_function is original
+
+
+# ------------------------------------------------------------------------------------- replay, bit for bit
+
+
+def test_lstm_cell_replays_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    cell, x = nn.LSTMCell(8, 16), torch.randn(4, 8)
+    trace = tl.trace(cell, x)
+    h, c = cell(x)  # plain PyTorch
+    replayed = trace.replay()
+    # Before the fix h differed by ~1e-8: the in-place sigmoid_ of a gate chunk (stride (64, 1)) replayed on a
+    # contiguous copy, which the kernel vectorises differently.
+    assert torch.equal(replayed.output[0], h) and torch.equal(replayed.output[1], c)
+    assert tl.compare(trace, replayed, first=True, atol=0.0, rtol=0.0) is None
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_compare_treats_the_lstm_kernel_the_same_in_a_trace_and_its_replay(grad: bool) -> None:
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(8, 16, batch_first=True), torch.randn(2, 5, 8)
+    with torch.set_grad_enabled(grad):
+        trace, again = tl.trace(lstm, x), tl.trace(lstm, x)
+    replayed = trace.replay()
+    rnn = trace["mkldnn_rnn_layer_1"]
+    # no_grad: 3 outputs (output, h, c) in both, no trailing None; grad: a 4th, the workspace for backward
+    assert len(trace.saved[rnn.index]) == len(replayed.saved[rnn.index]) == (4 if grad else 3)
+    assert tl.compare(trace, replayed, first=True) is None
+    # two runs of the model itself: the workspace bytes differ (partly unwritten scratch), nothing else
+    assert tl.compare(trace, again, first=True) is None
+    # a real difference in the kernel's outputs is still found
+    doubled = trace.fork().do("mkldnn_rnn_layer_1", tl.scale(2.0)).replay()
+    assert tl.compare(trace, doubled, first=True).label == "mkldnn_rnn_layer_1"
+
+
+# --------------------------------------------------------------------- one rule for "this op draws numbers"
+
+
+class Attention(nn.Module):
+    """SDPA with ``dropout_p``: with 0 one fused kernel (tagged random, drawing nothing); with 0.5 the CPU math
+    path, whose dropout mask bernoulli_ draws."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(x, x, x, dropout_p=self.p)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_validate_and_replay_agree_on_which_ops_draw_random_numbers(p: float) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 5, 8)
+    trace = tl.trace(Attention(p), x)
+    report, replayed = trace.validate(), trace.replay()
+    random = {label for label, why in report.skipped.items() if why == "nondeterministic op (random numbers)"}
+    reused = {label for label, why in replayed.metadata["not_replayed"].items() if why.startswith("random op")}
+    assert random == reused == ({"bernoulli__1"} if p else set())
+    if p == 0.0:  # deterministic: checked (before the fix: skipped as random, "passed" having checked 0 ops)
+        assert [op.func for op in trace] == ["_scaled_dot_product_flash_attention_for_cpu"]
+        assert report.checked == 1 and report.skipped == {} and report
+        assert torch.equal(replayed.output, F.scaled_dot_product_attention(x, x, x))
+
+
+def test_a_validation_that_checked_nothing_says_so() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    trace = tl.trace(model, torch.randn(2, 3), save=tl.func("relu"))
+    report = trace.validate()  # relu reads addmm's output, which was not saved: nothing can be replayed
+    assert report.checked == 0 and report.skipped == {"relu_1": "input from addmm_1 (output 0) was not saved"}
+    assert not report and not report.passed  # before the fix: "validation passed"
+    assert str(report).splitlines()[0] == (
+        "validation checked nothing (every op skipped): 0 ops replayed, 0 mismatched, 1 skipped"
+    )
