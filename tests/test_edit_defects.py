@@ -31,7 +31,7 @@ class AttnBlock(nn.Module):
 
 class Boom(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(x)
+        torch.relu(x)
         raise RuntimeError("boom")
 
 
@@ -132,7 +132,9 @@ def test_validate_and_replay_agree_on_which_ops_draw_random_numbers(p: float) ->
     trace = tl.trace(Attention(p), x)
     report, replayed = trace.validate(), trace.replay()
     random = {label for label, why in report.skipped.items() if why == "nondeterministic op (random numbers)"}
-    reused = {label for label, why in replayed.metadata["not_replayed"].items() if why.startswith("random op")}
+    reused = {
+        label for label, why in replayed.metadata["not_replayed"].items() if why.startswith("random op")
+    }
     assert random == reused == ({"bernoulli__1"} if p else set())
     if p == 0.0:  # deterministic: checked (before the fix: skipped as random, "passed" having checked 0 ops)
         assert [op.func for op in trace] == ["_scaled_dot_product_flash_attention_for_cpu"]
@@ -149,3 +151,54 @@ def test_a_validation_that_checked_nothing_says_so() -> None:
     assert str(report).splitlines()[0] == (
         "validation checked nothing (every op skipped): 0 ops replayed, 0 mismatched, 1 skipped"
     )
+
+
+# ------------------------------------------------------------------------------- rerun and replay conditions
+
+
+def test_rerun_repeats_the_capture_grad_mode() -> None:
+    torch.manual_seed(0)
+    model, x = AttnBlock().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        trace = tl.trace(model, x)
+    rerun = trace.fork().rerun(
+        model, x
+    )  # called with grad on: before the fix MHA took its slow path (37 ops)
+    assert [op.label for op in rerun] == [op.label for op in trace]
+    assert tl.compare(trace, rerun, first=True) is None
+    edited = trace.fork().do("clone_1", tl.zero_ablate()).rerun(model, x)
+    assert [op.func for op in edited] == [op.func for op in trace]
+    assert torch.equal(edited.output, torch.zeros(2, 80))
+    assert torch.is_grad_enabled()  # the caller's mode is back
+
+
+class InnerStep(nn.Module):
+    """MAML-style: one inner gradient step inside forward, through torch.autograd.grad(create_graph=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        loss = (x @ self.w).pow(2).sum()
+        (g,) = torch.autograd.grad(loss, self.w, create_graph=True)
+        return x @ (self.w - 0.1 * g)
+
+
+def test_replay_reuses_a_gradient_computed_inside_forward() -> None:
+    torch.manual_seed(0)
+    model, x = InnerStep(), torch.randn(2, 3)
+    trace = tl.trace(model, x)
+    want = model(x)  # plain PyTorch
+    # the gradient's last op, mm_2 (grad_w = x^T @ (2 x w)), runs in the backward phase: replay does not run it
+    assert (trace["mm_2"].phase, trace["mul_3"].parents) == ("backward", (trace["mm_2"].index,))
+    replayed = trace.replay()  # before the fix: a bare KeyError
+    reused = "computed by autograd (backward phase) inside the forward (torch.autograd.grad): its recorded value is reused"
+    assert replayed.metadata["not_replayed"] == {"mm_2": reused}
+    assert torch.equal(replayed.output, want.detach())
+    # an edit after the inner step: the reused gradient is still the right one
+    doubled = trace.fork().do("mm_3", tl.scale(2.0)).replay()
+    assert torch.equal(doubled.output, 2.0 * want.detach())
+    # an edit before it: the gradient was computed from the unedited value, and the replay says so
+    early = trace.fork().do("mm_1", tl.scale(2.0)).replay()
+    assert early.metadata["not_replayed"]["mm_2"].startswith(reused + ", although the edits changed")

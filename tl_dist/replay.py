@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -78,11 +79,25 @@ class Fork:
     def rerun(
         self, model: torch.nn.Module, inputs: Any, *, kwargs: dict[str, Any] | None = None, save: Any = True
     ) -> Trace:
-        """``tl.trace(model, inputs, intervene=<the fork's edits>)``: the model's code run again with the edits."""
-        return RUNNERS[0](model, inputs, kwargs=kwargs, save=save, intervene=list(self.interventions) or None)
+        """``tl.trace(model, inputs, intervene=<the fork's edits>)``: the model's code run again with the edits, in
+        the grad mode the trace was captured in (as :meth:`replay`): under ``torch.no_grad()`` fused kernels take
+        other paths than with autograd recording (MultiheadAttention's fast path), and the ops would not line up.
+        """
+        with capture_grad_mode(self.trace):
+            return RUNNERS[0](
+                model, inputs, kwargs=kwargs, save=save, intervene=list(self.interventions) or None
+            )
 
     def __repr__(self) -> str:
         return f"<Fork of a {len(self.trace)}-op trace, {len(self.interventions)} edit(s)>"
+
+
+def capture_grad_mode(trace: Trace) -> Any:
+    """A context running code in the grad mode ``trace``'s window started in (its ``metadata["grad_enabled"]``):
+    kernels take other paths with grad on (mkldnn_rnn_layer keeps a workspace; MultiheadAttention leaves its fast
+    path), so replay and rerun repeat it. The caller's mode for a trace that does not say (a loaded one)."""
+    grad = trace.metadata.get("grad_enabled")
+    return contextlib.nullcontext() if grad is None else torch.set_grad_enabled(bool(grad))
 
 
 def _site_selector(trace: Trace, site: Any) -> Any:
@@ -134,9 +149,8 @@ def replay(trace: Trace, interventions: tuple[When, ...] = ()) -> Trace:
             "trace captured with save=None or a selector, or loaded from a shard, cannot be replayed"
         )
     run = _Replay(trace, interventions)
-    # Kernels take other paths with grad on (mkldnn_rnn_layer keeps a workspace): replay in the capture's mode.
-    # No graph is built either way: the constants are detached and the replayed values start from them.
-    with torch.set_grad_enabled(bool(trace.metadata.get("grad_enabled", False))):
+    # No graph is built in either grad mode: the constants are detached and the replayed values start from them.
+    with capture_grad_mode(trace):
         run.all(forward)
         saved = run.produced()
     output = _output(trace, saved)
@@ -196,8 +210,11 @@ class _Replay:
 
     def op(self, i: int) -> None:
         cols, labels = self.cols, self.cols["label"]
-        affected = any(p in self.changed for p in cols["parents"][i])
         record = self.trace._replay.get(i)
+        for src in record[3] if record is not None else ():
+            if src is not None and src[0] not in self.values:
+                self.reuse(src[0], i)
+        affected = any(p in self.changed for p in cols["parents"][i])
         if record is None:  # no tensor output: a host read, an assert, a profiler marker
             if affected and cols["kind"][i] != "view" and cols["in_shapes"][i]:
                 self.not_replayed[labels[i]] = _HOST_READ
@@ -284,6 +301,43 @@ class _Replay:
             if base is not None and not any(base is o for o in outs):
                 outs.append(base)
         return outs
+
+    def reuse(self, p: int, reader: int) -> None:
+        """Op ``p``, not a forward op (replay runs those only), feeds forward op ``reader``: a gradient
+        ``torch.autograd.grad(..., create_graph=True)`` computed inside ``forward`` (a MAML inner step). Its
+        recorded value is reused, and listed in ``not_replayed`` (stale when the edits changed what it was
+        computed from: then it counts as changed, so what reads it is flagged too)."""
+        labels = self.cols["label"]
+        saved = self.trace.saved.get(p)
+        if saved is None:
+            raise TlDistError(
+                f"replay of {labels[reader]} needs the output of {labels[p]} ({self.cols['phase'][p]} phase), "
+                "which replay does not re-execute, and the trace did not save it: trace with save=True"
+            )
+        self.values[p] = [None if t is None else t.clone() for t in saved]
+        self.returned[p] = len(saved)
+        self.index_storage(p)
+        why = (
+            f"computed by autograd ({self.cols['phase'][p]} phase) inside the forward (torch.autograd.grad): "
+            "its recorded value is reused"
+        )
+        if self._from_changed(p, {}):
+            self.changed.add(p)
+            why += ", although the edits changed what it was computed from; rerun(model, x) recomputes it"
+        self.not_replayed[labels[p]] = why
+
+    def _from_changed(self, p: int, seen: dict[int, bool]) -> bool:
+        """Whether a value replay does not re-execute was computed from one the edits changed (through other
+        such values: the backward graph between them)."""
+        if p not in seen:
+            seen[p] = False  # a cycle cannot occur (parents come first); this only bounds the walk
+            phases, values = self.cols["phase"], self.values
+            seen[p] = any(
+                q in self.changed
+                or (phases[q] != "forward" and q not in values and self._from_changed(q, seen))
+                for q in self.cols["parents"][p]
+            )
+        return seen[p]
 
     def alias(self, const: Tensor, parents: tuple[int, ...]) -> Tensor | None:
         """For an argument recorded as a constant although an in-place op of the trace wrote its memory before (read
