@@ -202,3 +202,33 @@ def test_replay_reuses_a_gradient_computed_inside_forward() -> None:
     # an edit before it: the gradient was computed from the unedited value, and the replay says so
     early = trace.fork().do("mm_1", tl.scale(2.0)).replay()
     assert early.metadata["not_replayed"]["mm_2"].startswith(reused + ", although the edits changed")
+
+
+# ------------------------------------------------------------------------------------------------ tl.clamp
+
+
+def test_clamp_takes_torch_clamps_min_and_max() -> None:
+    v = torch.tensor([-2.0, -0.5, 0.5, 2.0])
+    site = None  # clamp does not look at the site
+    assert torch.equal(tl.clamp(min=0)(v, site), torch.tensor([0.0, 0.0, 0.5, 2.0]))  # before: TypeError
+    assert torch.equal(tl.clamp(max=1.0)(v, site), torch.tensor([-2.0, -0.5, 0.5, 1.0]))
+    assert torch.equal(tl.clamp(-1.0, 1.0)(v, site), torch.tensor([-1.0, -0.5, 0.5, 1.0]))
+    with pytest.raises(ValueError, match="needs min or max"):
+        tl.clamp()
+    with pytest.raises(TypeError, match="bounds are min and max"):
+        tl.clamp(low=0)
+
+
+def test_clamp_old_names_warn_once_from_the_callers_line() -> None:
+    from tl_dist import edits
+
+    edits._warned_clamp.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = tl.clamp(lo=0.0)
+        tl.clamp(hi=1.0)
+    assert [(w.category, w.filename) for w in caught] == [(FutureWarning, __file__)]
+    assert "tl.clamp(min=, max=)" in str(caught[0].message)
+    assert (first.min, first.max) == (0.0, None)
+    with pytest.raises(TypeError, match="both min and its old name"):
+        tl.clamp(min=0.0, lo=0.0)
