@@ -232,3 +232,28 @@ def test_clamp_old_names_warn_once_from_the_callers_line() -> None:
     assert (first.min, first.max) == (0.0, None)
     with pytest.raises(TypeError, match="both min and its old name"):
         tl.clamp(min=0.0, lo=0.0)
+
+
+# ------------------------------------------------------------------------------- gradients after a plain backward
+
+
+def test_module_grad_after_a_plain_backward_warns_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    trace = tl.trace(model, torch.randn(2, 3), save_grads=True)
+    trace.output.sum().backward()  # outside the window: records nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert trace.module("0").grad is None
+        assert trace["relu_1"].grad is None
+    assert [(w.category, w.filename) for w in caught] == [(UserWarning, __file__)]  # once, at the caller
+    assert "trace.log_backward(loss)" in str(caught[0].message)
+    # through log_backward the same gradients are recorded, and nothing warns
+    logged = tl.trace(model, torch.randn(2, 3), save_grads=True)
+    logged.log_backward(logged.output.sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # d(sum out)/d(out of layer 0) through relu: W2^T @ 1, masked by relu's positive inputs
+        relu_in = logged.module("0").out
+        want = (relu_in > 0) * model[2].weight.sum(0)
+        assert torch.equal(logged.module("0").grad, want.expand_as(relu_in))
