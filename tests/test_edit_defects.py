@@ -257,3 +257,23 @@ def test_module_grad_after_a_plain_backward_warns_once() -> None:
         relu_in = logged.module("0").out
         want = (relu_in > 0) * model[2].weight.sum(0)
         assert torch.equal(logged.module("0").grad, want.expand_as(relu_in))
+
+
+# ------------------------------------------------------------------------------------ autocast's weight cast
+
+
+def test_no_grad_autocast_edit_of_the_weight_cast_applies() -> None:
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 3), torch.randn(2, 4)
+    with torch.no_grad(), torch.amp.autocast("cpu"):
+        clean = tl.trace(lin, x)
+        (cast,) = [op.label for op in clean if op.func == "_to_copy" and op.out_shapes == ((3, 4),)]
+        # the same autocast block: the weight casts are cached by now, yet the edited window casts again
+        edited = tl.trace(lin, x, intervene=tl.when(tl.label(cast), tl.zero_ablate()))
+        after = lin(x)  # the edited cast did not stay in autocast's cache
+    # autocast casts the weight with grad on inside F.linear: before the fix the edit was refused
+    assert [op.label for op in edited] == [op.label for op in clean]
+    assert edited.metadata["edited"] == {cast: "tl.zero_ablate()"}
+    # x @ 0 + bias, in bfloat16
+    assert torch.equal(edited.output, lin.bias.detach().bfloat16().expand(2, 3))
+    assert torch.equal(after, clean.output)

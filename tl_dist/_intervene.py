@@ -65,7 +65,11 @@ class _EditFunctionMode(TorchFunctionMode):
         if owner.stale:
             owner.check_stale(func, args, kwargs)
         start = owner.rec.n_ops
-        out = func(*args, **(kwargs or {}))
+        outer, owner.call_grad = owner.call_grad, _grad_enabled()
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            owner.call_grad = outer
         if owner.deferred:
             out = owner.apply_deferred(out, func, start)
         return out
@@ -90,12 +94,20 @@ class Interventions:
         # value, so reading it later would silently skip the edit (kept alive, so the id stays its own).
         self.stale: dict[int, tuple[Tensor, str]] = {}
         self._mode: _EditFunctionMode | None = None
+        # Grad mode where the model called the torch function now running (None outside one). Autocast turns
+        # grad on inside a call for its cached weight casts; under the caller's no_grad nothing the caller gets
+        # back carries autograd's graph of such an op, so its edit is applied at the dispatcher.
+        self.call_grad: bool | None = None
 
     # -- window -------------------------------------------------------------------------------------------
     def install(self) -> None:
         rec = self.rec
         rec.edits = self if self.op_rules else None
         rec.modules.edits = self if self.module_rules else None
+        # Autocast caches its weight casts until the outermost autocast exits: a window after another forward in
+        # the same autocast block would reuse them (no cast ops: labels would shift against a clean trace), and
+        # an edited cast would stay in the cache after the window. Edited windows start and end with it empty.
+        torch.clear_autocast_cache()
         if self.op_rules:
             _hide_edit_modes(True)
             self._mode = _EditFunctionMode(self)
@@ -103,6 +115,7 @@ class Interventions:
 
     def uninstall(self) -> None:
         rec = self.rec
+        torch.clear_autocast_cache()
         rec.edits = None
         rec.modules.edits = None
         if self._mode is not None:
@@ -148,8 +161,10 @@ class Interventions:
                 matches += [(rule, pos) for pos in rule.positions(n_returned, row[_LABEL])]
         if not matches:
             return out, outs
-        if _grad_enabled() and (
-            any(t.requires_grad for t in tensors) or any(rule.edit.needs_graph() for rule, _ in matches)
+        if (
+            _grad_enabled()
+            and self.call_grad is not False
+            and (any(t.requires_grad for t in tensors) or any(rule.edit.needs_graph() for rule, _ in matches))
         ):
             for rule, pos in matches:
                 self.deferred.setdefault((index, pos), []).append(rule)
