@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import tl_dist as tl
 
@@ -72,9 +73,23 @@ def test_the_fast_path_patch_is_gone_after_the_window_even_when_the_model_raises
     with pytest.raises(RuntimeError, match="boom"):
         tl.trace(Boom(), torch.randn(3), intervene=tl.when(tl.func("relu"), tl.zero_ablate()))
     assert torch.overrides.has_torch_function is original
-    # and a plain mode of the user's still makes MHA leave its fast path, as without tl_dist
-    tl.trace(AttnBlock().eval(), torch.randn(2, 5, 16), intervene=tl.when(tl.label("clone_1"), tl.scale(1.0)))
-    assert torch.overrides.has_torch_function is original
+
+
+class Passthrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_users_own_mode_still_sends_mha_off_its_fast_path() -> None:
+    torch.manual_seed(0)
+    model, x = AttnBlock().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad(), Passthrough():
+        clean = tl.trace(model, x)
+        edited = tl.trace(model, x, intervene=tl.when(tl.func("_softmax"), tl.scale(1.0)))
+    # as in plain PyTorch under that mode: the slow path, with its softmax; the edit only hides tl_dist's mode
+    assert "_native_multi_head_attention" not in [op.func for op in clean]
+    assert [op.label for op in edited] == [op.label for op in clean] and "_softmax_1" in edited.edited
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function
 
 
 # ------------------------------------------------------------------------------------- replay, bit for bit
