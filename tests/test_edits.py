@@ -475,7 +475,7 @@ def test_bad_intervene_option(value: Any, message: str) -> None:
         (lambda: tl.when(tl.func("relu"), tl.zero_ablate(), output=-1), "output must be"),
         (lambda: tl.mean_ablate(dims="batch"), "dims must be"),
         (lambda: tl.add_noise(-1.0), "std must be"),
-        (lambda: tl.clamp(), "needs lo or hi"),
+        (lambda: tl.clamp(), "needs min or max"),
         (lambda: tl.mask(1.5), "index must be"),
         (lambda: tl.scale("2"), "factor must be"),
         (lambda: tl.patch(object()), "other must be a tl_dist Trace"),

@@ -90,6 +90,20 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+def clone_strided(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with ``t``'s strides. ``clone()`` keeps the strides only of a dense tensor: a chunk of a
+    wider tensor (stride (64, 1) for shape (4, 16)) comes back contiguous, and a kernel run on it takes another
+    vectorisation path than on the original (LSTMCell's in-place ``sigmoid_`` of a gate chunk differs in the
+    last bit). Tensors whose elements overlap (an ``expand``) cannot be copied into such a layout: clone()."""
+    if t.is_contiguous() or any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+        return t.clone()
+    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    try:
+        return copy.copy_(t)
+    except RuntimeError:  # other overlapping layouts (as_strided): a dense copy
+        return t.clone()
+
+
 # Default tolerances of validate() for floating-point outputs (integer and bool outputs must match exactly).
 VALIDATE_ATOL = 1e-6
 VALIDATE_RTOL = 1e-5

@@ -51,6 +51,11 @@ _NoRecording = torch._C._DisableTorchDispatch
 class _EditFunctionMode(TorchFunctionMode):
     """Applies the edits marked on ops that autograd records, when the torch call that ran them returns."""
 
+    # NB: any TorchFunctionMode makes ``torch.overrides.has_torch_function`` true, and torch's fused fast paths
+    # (MultiheadAttention, TransformerEncoder(Layer)) read that as "a subclass wants every op" and take their
+    # slow path: an edited run would run other ops than the clean one, and labels would no longer line up.
+    # While a window has op-site edits, :func:`_has_torch_function` answers as if this mode were absent.
+
     def __init__(self, owner: Interventions) -> None:
         super().__init__()
         self._owner = weakref.proxy(owner)  # the owner holds this mode: no reference cycle
@@ -60,7 +65,11 @@ class _EditFunctionMode(TorchFunctionMode):
         if owner.stale:
             owner.check_stale(func, args, kwargs)
         start = owner.rec.n_ops
-        out = func(*args, **(kwargs or {}))
+        outer, owner.call_grad = owner.call_grad, _grad_enabled()
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            owner.call_grad = outer
         if owner.deferred:
             out = owner.apply_deferred(out, func, start)
         return out
@@ -85,23 +94,34 @@ class Interventions:
         # value, so reading it later would silently skip the edit (kept alive, so the id stays its own).
         self.stale: dict[int, tuple[Tensor, str]] = {}
         self._mode: _EditFunctionMode | None = None
+        # Grad mode where the model called the torch function now running (None outside one). Autocast turns
+        # grad on inside a call for its cached weight casts; under the caller's no_grad nothing the caller gets
+        # back carries autograd's graph of such an op, so its edit is applied at the dispatcher.
+        self.call_grad: bool | None = None
 
     # -- window -------------------------------------------------------------------------------------------
     def install(self) -> None:
         rec = self.rec
         rec.edits = self if self.op_rules else None
         rec.modules.edits = self if self.module_rules else None
+        # Autocast caches its weight casts until the outermost autocast exits: a window after another forward in
+        # the same autocast block would reuse them (no cast ops: labels would shift against a clean trace), and
+        # an edited cast would stay in the cache after the window. Edited windows start and end with it empty.
+        torch.clear_autocast_cache()
         if self.op_rules:
+            _hide_edit_modes(True)
             self._mode = _EditFunctionMode(self)
             self._mode.__enter__()
 
     def uninstall(self) -> None:
         rec = self.rec
+        torch.clear_autocast_cache()
         rec.edits = None
         rec.modules.edits = None
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+            _hide_edit_modes(False)
         if self.deferred:
             labels = sorted({rec.rows[i][_LABEL] for i, _ in self.deferred})
             self.deferred.clear()
@@ -141,8 +161,10 @@ class Interventions:
                 matches += [(rule, pos) for pos in rule.positions(n_returned, row[_LABEL])]
         if not matches:
             return out, outs
-        if _grad_enabled() and (
-            any(t.requires_grad for t in tensors) or any(rule.edit.needs_graph() for rule, _ in matches)
+        if (
+            _grad_enabled()
+            and self.call_grad is not False
+            and (any(t.requires_grad for t in tensors) or any(rule.edit.needs_graph() for rule, _ in matches))
         ):
             for rule, pos in matches:
                 self.deferred.setdefault((index, pos), []).append(rule)
@@ -279,6 +301,37 @@ class Interventions:
             with _NoRecording():  # not an op of the model (a detach would shift every later label)
                 saved[pos] = new if rec.keep_graph else new.detach()
             rec.watch(new, (index, 0, pos))
+
+
+_has_torch_function = torch.overrides.has_torch_function
+_hidden_windows = [0]  # windows with op-site edits open now (any thread): the patch stays while one is
+
+
+def _has_torch_function_without_edits(args: Any) -> bool:
+    """``torch.overrides.has_torch_function`` as if no edit mode were on this thread's stack (see
+    :class:`_EditFunctionMode`): true for a tensor subclass or another mode, as before."""
+    if not _has_torch_function(args):
+        return False
+    n = torch._C._len_torch_function_stack()
+    stack = [torch._C._get_function_stack_at(k) for k in range(n)]
+    if not stack or not all(type(m) is _EditFunctionMode for m in stack):
+        return True
+    for _ in stack:  # only edit modes: ask again without them, then put them back in order
+        torch._C._pop_torch_function_stack()
+    try:
+        return _has_torch_function(args)
+    finally:
+        for m in stack:
+            torch._C._push_on_torch_function_stack(m)
+
+
+def _hide_edit_modes(on: bool) -> None:
+    """Install (``on``) or, with the last edit window closing, remove the patch of
+    ``torch.overrides.has_torch_function`` (the name torch's fast-path checks look up at call time)."""
+    _hidden_windows[0] += 1 if on else -1
+    torch.overrides.has_torch_function = (
+        _has_torch_function_without_edits if _hidden_windows[0] > 0 else _has_torch_function
+    )
 
 
 def _returned_tensors(out: Any) -> list[Tensor]:

@@ -32,6 +32,29 @@ COLLECTIVE_NAMESPACES = frozenset(
 )
 
 
+# Ops that return uninitialised memory: their output is whatever bytes the allocator handed out, so no other
+# run reproduces it (OpInfo has no tag for this; torch does not tag these ops).
+UNINITIALISED = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_"}
+)
+# func -> positions of outputs that are scratch memory the kernel only partly writes (oneDNN's LSTM workspace,
+# kept for backward): its bytes differ from run to run of the same model on the same input.
+SCRATCH_OUTPUTS = {"mkldnn_rnn_layer": frozenset({3})}
+
+
+def unreproducible_outputs(func: str, outs: list) -> frozenset[int]:
+    """Positions of the outputs ``outs`` of a call of ``func`` (by name, as the trace's ``func`` column) whose
+    bytes no run reproduces: an :data:`UNINITIALISED` op's, the scratch ones of :data:`SCRATCH_OUTPUTS`. An
+    empty tensor (BatchNorm's size-0 reserve placeholder) holds no bytes: it is reproducible.
+
+    Example:
+        >>> unreproducible_outputs("empty_like", [torch.empty(3), torch.empty(0)])
+        frozenset({0})
+    """
+    scratch = range(len(outs)) if func in UNINITIALISED else SCRATCH_OUTPUTS.get(func, ())
+    return frozenset(k for k in scratch if k < len(outs) and outs[k] is not None and outs[k].numel())
+
+
 class OpInfo:
     """What tl_dist needs to know about one operator overload, independent of its arguments."""
 
@@ -105,6 +128,21 @@ def mutated_tensors(info: OpInfo, args: tuple, kwargs: dict) -> list[torch.Tenso
         elif isinstance(value, (list, tuple)):
             found.extend(v for v in value if isinstance(v, torch.Tensor))
     return found
+
+
+def draws_random(info: OpInfo, func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of ``func`` draws random numbers: a random op (tagged ``nondeterministic_seeded``) not
+    called with a probability of 0 (``dropout_p=0.0``, as attention kernels are in eval) or ``train=False``.
+    The one rule replay (reuses the recorded output) and validate (skips the op) both follow."""
+    if not info.nondeterministic:
+        return False
+    for k, arg in enumerate(getattr(func, "_schema", None).arguments if hasattr(func, "_schema") else ()):
+        if arg.name in ("dropout_p", "p", "train"):
+            value = args[k] if k < len(args) else kwargs.get(arg.name, getattr(arg, "default_value", None))
+            # A tensor probability (bernoulli_.Tensor) may hold anything: it draws.
+            if value is False or (arg.name != "train" and type(value) in (int, float) and value == 0):
+                return False
+    return True
 
 
 _FLOP_CACHE: dict[tuple, int] = {}

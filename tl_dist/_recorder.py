@@ -24,6 +24,7 @@ from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import OWN_DIR as _OWN_DIR
 from ._common import TAG as _TAG
 from ._common import TORCH_DIR as _TORCH_DIR
+from ._common import clone_strided as _clone_strided
 from ._modules import ModuleTracker
 from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
 from ._phases import SPECIAL as _SPECIAL_PHASE
@@ -448,7 +449,11 @@ class Recorder:
             self._copy_before_write(written)
         if self.save_all or self.save_selector is not None:
             ids = {id(t) for t in written}
-            pre = {k: t.detach().clone() for k, t in enumerate(tensors) if srcs[k] is None and id(t) in ids}
+            pre = {
+                k: _clone_strided(t.detach())
+                for k, t in enumerate(tensors)
+                if srcs[k] is None and id(t) in ids
+            }
             return pre or None
         return None
 
@@ -506,7 +511,7 @@ class Recorder:
                     grads[pos] = grads[pos].clone()
                 else:
                     consts = self.replay_records[index][4]
-                    consts[pos] = consts[pos].clone()
+                    consts[pos] = _clone_strided(consts[pos])
 
     def module_output(self, address: str, leaves: list) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Called when a module call returns: which ops produced its output leaves; saves them if selected."""

@@ -7,6 +7,9 @@ the same path) and compared on their saved outputs, all outputs of an op togethe
 - ``rel_l2``: ``||a - b|| / ||a||`` (0 when both are zero, inf when only ``a`` is);
 - ``cosine``: ``a . b / (||a|| ||b||)`` (1 when both are zero, NaN when one is).
 
+Outputs no run reproduces are left out: uninitialised memory (``empty_like``) and kernel scratch space (the
+workspace ``mkldnn_rnn_layer`` keeps for backward), as are outputs a kernel left undefined.
+
 Example:
     >>> clean, edited = tl.trace(model, x), tl.trace(model, x, intervene=tl.when(tl.label("relu_2"), tl.scale(0.5)))
     >>> tl.compare(clean, edited).head()          # the ops that diverge most first
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._opinfo import UNINITIALISED, unreproducible_outputs
 from .errors import TlDistError
 from .trace import Op, Trace
 
@@ -49,6 +53,19 @@ def _flat(outs: list | None) -> torch.Tensor | None:
             t = torch.view_as_real(t)
         parts.append(t.reshape(-1).to(device="cpu", dtype=torch.float64))
     return torch.cat(parts) if parts else None
+
+
+def _reproducible(outs: list | None, func: str) -> list | None:
+    """The saved outputs of a call of ``func`` that another run can reproduce: uninitialised memory and a
+    kernel's scratch workspace (:func:`~tl_dist._opinfo.unreproducible_outputs`; their bytes differ between two
+    runs of the same model) become None, and trailing Nones (outputs a kernel left undefined) are dropped."""
+    if outs is None:
+        return None
+    skip = unreproducible_outputs(func, outs)
+    kept = [None if k in skip else t for k, t in enumerate(outs)]
+    while kept and kept[-1] is None:
+        kept.pop()
+    return kept
 
 
 def _shapes(outs: list) -> tuple:
@@ -89,7 +106,8 @@ def _rows(a: Trace, b: Trace, atol: float, rtol: float) -> Any:
         if j is None:
             yield (*base, math.nan, math.nan, math.nan, True, "only in a")
             continue
-        outs_a, outs_b = a.saved.get(i), b.saved.get(j)
+        outs_a = _reproducible(a.saved.get(i), cols_a["func"][i])
+        outs_b = _reproducible(b.saved.get(j), cols_b["func"][j])
         note = (
             ""
             if cols_a["module"][i] == cols_b["module"][j]
@@ -110,7 +128,8 @@ def _rows(a: Trace, b: Trace, atol: float, rtol: float) -> Any:
             continue
         ta, tb = _flat(outs_a), _flat(outs_b)
         if ta is None:
-            yield (*base, math.nan, math.nan, math.nan, False, "not saved")
+            why = "uninitialised memory: not compared" if cols_a["func"][i] in UNINITIALISED else "not saved"
+            yield (*base, math.nan, math.nan, math.nan, False, why)
             continue
         yield (*base, *divergence(ta, tb, atol, rtol), note)
     a_labels = a.labels

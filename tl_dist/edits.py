@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import numbers
+import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -218,25 +219,56 @@ def op_seed(seed: int, label: str) -> int:
 
 
 class clamp(Edit):  # noqa: N801
-    """Clamp the value to ``[lo, hi]`` (either may be None).
+    """Clamp the value to ``[min, max]`` (either may be None), as ``torch.clamp(value, min, max)``.
 
     Example:
         >>> tl.when(tl.module("encoder"), tl.clamp(-5.0, 5.0))
+        >>> tl.when(tl.func("relu"), tl.clamp(max=6.0))
+
+    The bounds were called ``lo``/``hi`` before: those names still work, with a warning (once), and will be
+    removed.
     """
 
-    def __init__(self, lo: float | None = None, hi: float | None = None) -> None:
-        if lo is None and hi is None:
-            raise ValueError("tl.clamp needs lo or hi (or both)")
-        for name, v in (("lo", lo), ("hi", hi)):
+    def __init__(
+        self,
+        min: float | Tensor | None = None,  # noqa: A002 - torch.clamp's names
+        max: float | Tensor | None = None,  # noqa: A002
+        **renamed: float | Tensor | None,
+    ) -> None:
+        unknown = sorted(set(renamed) - set(_CLAMP_RENAMED))
+        if unknown:
+            raise TypeError(
+                f"tl.clamp() got unexpected keyword arguments {unknown}; its bounds are min and max"
+            )
+        if renamed:
+            if not _warned_clamp:
+                _warned_clamp.append(True)
+                warnings.warn(
+                    "tl.clamp(lo=, hi=) is now tl.clamp(min=, max=), as torch.clamp; lo and hi will be removed",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+            old = {_CLAMP_RENAMED[k]: v for k, v in renamed.items()}
+            for name, given in (("min", min), ("max", max)):
+                if name in old and given is not None:
+                    raise TypeError(f"tl.clamp() got both {name} and its old name; give {name} only")
+            min, max = old.get("min", min), old.get("max", max)  # noqa: A001
+        if min is None and max is None:
+            raise ValueError("tl.clamp needs min or max (or both)")
+        for name, v in (("min", min), ("max", max)):
             if v is not None:
                 _number_or_tensor(v, name)
-        self.lo, self.hi = lo, hi
+        self.min, self.max = min, max
 
     def __call__(self, value: Tensor, op: Site) -> Tensor:
-        return torch.clamp(value, self.lo, self.hi)
+        return torch.clamp(value, self.min, self.max)
 
     def __repr__(self) -> str:
-        return f"tl.clamp({self.lo}, {self.hi})"
+        return f"tl.clamp({self.min}, {self.max})"
+
+
+_CLAMP_RENAMED = {"lo": "min", "hi": "max"}
+_warned_clamp: list[bool] = []  # the rename warning is given once per process
 
 
 class mask(Edit):  # noqa: N801

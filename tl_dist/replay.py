@@ -23,14 +23,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from ._common import RowView, flat_outputs, storage_key
-from ._opinfo import mutated_tensors, op_info
+from ._common import RowView, clone_strided, flat_outputs, storage_key
+from ._opinfo import draws_random, mutated_tensors, op_info
 from ._reexec import fill_args
 from .capture import trace as tl_trace
 from .causal import selector_parts
@@ -77,11 +78,25 @@ class Fork:
     def rerun(
         self, model: torch.nn.Module, inputs: Any, *, kwargs: dict[str, Any] | None = None, save: Any = True
     ) -> Trace:
-        """``tl.trace(model, inputs, intervene=<the fork's edits>)``: the model's code run again with the edits."""
-        return tl_trace(model, inputs, kwargs=kwargs, save=save, intervene=list(self.interventions) or None)
+        """``tl.trace(model, inputs, intervene=<the fork's edits>)``: the model's code run again with the edits, in
+        the grad mode the trace was captured in (as :meth:`replay`): under ``torch.no_grad()`` fused kernels take
+        other paths than with autograd recording (MultiheadAttention's fast path), and the ops would not line up.
+        """
+        with capture_grad_mode(self.trace):
+            return tl_trace(
+                model, inputs, kwargs=kwargs, save=save, intervene=list(self.interventions) or None
+            )
 
     def __repr__(self) -> str:
         return f"<Fork of a {len(self.trace)}-op trace, {len(self.interventions)} edit(s)>"
+
+
+def capture_grad_mode(trace: Trace) -> Any:
+    """A context running code in the grad mode ``trace``'s window started in (its ``metadata["grad_enabled"]``):
+    kernels take other paths with grad on (mkldnn_rnn_layer keeps a workspace; MultiheadAttention leaves its fast
+    path), so replay and rerun repeat it. The caller's mode for a trace that does not say (a loaded one)."""
+    grad = trace.metadata.get("grad_enabled")
+    return contextlib.nullcontext() if grad is None else torch.set_grad_enabled(bool(grad))
 
 
 def _site_selector(trace: Trace, site: Any) -> Any:
@@ -133,9 +148,8 @@ def replay(trace: Trace, interventions: tuple[When, ...] = ()) -> Trace:
             "trace captured with save=None or a selector, or loaded from a shard, cannot be replayed"
         )
     run = _Replay(trace, interventions)
-    # Kernels take other paths with grad on (mkldnn_rnn_layer keeps a workspace): replay in the capture's mode.
-    # No graph is built either way: the constants are detached and the replayed values start from them.
-    with torch.set_grad_enabled(bool(trace.metadata.get("grad_enabled", False))):
+    # No graph is built in either grad mode: the constants are detached and the replayed values start from them.
+    with capture_grad_mode(trace):
         run.all(forward)
         saved = run.produced()
     output = _output(trace, saved)
@@ -195,17 +209,18 @@ class _Replay:
 
     def op(self, i: int) -> None:
         cols, labels = self.cols, self.cols["label"]
-        affected = any(p in self.changed for p in cols["parents"][i])
         record = self.trace._replay.get(i)
+        for src in record[3] if record is not None else ():
+            if src is not None and src[0] not in self.values:
+                self.reuse(src[0], i)
+        affected = any(p in self.changed for p in cols["parents"][i])
         if record is None:  # no tensor output: a host read, an assert, a profiler marker
             if affected and cols["kind"][i] != "view" and cols["in_shapes"][i]:
                 self.not_replayed[labels[i]] = _HOST_READ
             return
         func, skeleton_args, skeleton_kwargs, srcs, consts = record
         info = op_info(func)
-        if info.kind == "collective" or (
-            info.nondeterministic and draws_random(func, skeleton_args, skeleton_kwargs)
-        ):
+        if info.kind == "collective" or draws_random(info, func, skeleton_args, skeleton_kwargs):
             why = "random op" if info.nondeterministic else "collective (it needs every member rank)"
             self.not_replayed[labels[i]] = f"{why}: its recorded output is reused"
             self.values[i] = [None if t is None else t.clone() for t in self.trace.saved.get(i, ())]
@@ -258,7 +273,7 @@ class _Replay:
         written = mutated_tensors(info, args, kwargs) if info.mutated else []
         if any(id(t) in external_ids for t in written):
             # Never write into the model's parameters or the trace's constants: into copies.
-            copies = {id(t): t.clone() for t in written if id(t) in external_ids}
+            copies = {id(t): clone_strided(t) for t in written if id(t) in external_ids}
             tensors = [copies.get(id(t), t) for t in tensors]
             args, kwargs = fill_args(skeleton_args, skeleton_kwargs, tensors)
             written = mutated_tensors(info, args, kwargs)
@@ -273,9 +288,9 @@ class _Replay:
                 "have changed what this op receives; rerun(model, x) runs the model's code instead"
             ) from exc
         outs: list[Tensor | None] = list(flat_outputs(raw))
+        # Outputs a kernel leaves undefined (None: mkldnn_rnn_layer's workspace without grad) are absent, as in
+        # the recorder's list: the same op gets the same outputs in a trace and its replay.
         self.returned[i] = len(outs)
-        if type(raw) is tuple or type(raw) is list:
-            outs += [None] * sum(o is None for o in raw)  # outputs a no_grad kernel leaves undefined
         n_recorded = len(self.cols["out_shapes"][i])
         # An in-place write into a view: its base is an extra output (Recorder._with_written_bases).
         for t in written:
@@ -285,6 +300,43 @@ class _Replay:
             if base is not None and not any(base is o for o in outs):
                 outs.append(base)
         return outs
+
+    def reuse(self, p: int, reader: int) -> None:
+        """Op ``p``, not a forward op (replay runs those only), feeds forward op ``reader``: a gradient
+        ``torch.autograd.grad(..., create_graph=True)`` computed inside ``forward`` (a MAML inner step). Its
+        recorded value is reused, and listed in ``not_replayed`` (stale when the edits changed what it was
+        computed from: then it counts as changed, so what reads it is flagged too)."""
+        labels = self.cols["label"]
+        saved = self.trace.saved.get(p)
+        if saved is None:
+            raise TlDistError(
+                f"replay of {labels[reader]} needs the output of {labels[p]} ({self.cols['phase'][p]} phase), "
+                "which replay does not re-execute, and the trace did not save it: trace with save=True"
+            )
+        self.values[p] = [None if t is None else t.clone() for t in saved]
+        self.returned[p] = len(saved)
+        self.index_storage(p)
+        why = (
+            f"computed by autograd ({self.cols['phase'][p]} phase) inside the forward (torch.autograd.grad): "
+            "its recorded value is reused"
+        )
+        if self._from_changed(p, {}):
+            self.changed.add(p)
+            why += ", although the edits changed what it was computed from; rerun(model, x) recomputes it"
+        self.not_replayed[labels[p]] = why
+
+    def _from_changed(self, p: int, seen: dict[int, bool]) -> bool:
+        """Whether a value replay does not re-execute was computed from one the edits changed (through other
+        such values: the backward graph between them)."""
+        if p not in seen:
+            seen[p] = False  # a cycle cannot occur (parents come first); this only bounds the walk
+            phases, values = self.cols["phase"], self.values
+            seen[p] = any(
+                q in self.changed
+                or (phases[q] != "forward" and q not in values and self._from_changed(q, seen))
+                for q in self.cols["parents"][p]
+            )
+        return seen[p]
 
     def alias(self, const: Tensor, parents: tuple[int, ...]) -> Tensor | None:
         """For an argument recorded as a constant although an in-place op of the trace wrote its memory before (read
@@ -377,17 +429,6 @@ def _slot_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
         elif type(a) is list or type(a) is tuple:
             found += [b for b in a if isinstance(b, Tensor)]
     return found
-
-
-def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a call of a random op (tagged ``nondeterministic_seeded``) really draws numbers: not with a dropout
-    probability of 0 (attention kernels take ``dropout_p=0.0`` in eval) or ``train=False``."""
-    for k, arg in enumerate(getattr(func, "_schema", None).arguments if hasattr(func, "_schema") else ()):
-        if arg.name in ("dropout_p", "p", "train"):
-            value = args[k] if k < len(args) else kwargs.get(arg.name, getattr(arg, "default_value", None))
-            if value is False or (arg.name != "train" and value == 0):
-                return False
-    return True
 
 
 def _output(trace: Trace, values: dict[int, list]) -> Any:

@@ -66,7 +66,7 @@ class Op:
             ...     model(x).sum().backward()
             >>> cap.trace["relu_2"].grad.shape
         """
-        grads = self._trace.grads.get(self.index)
+        grads = _recorded_grads(self._trace).get(self.index)
         if grads is None:
             return None
         return grads[0] if len(grads) == 1 else tuple(grads)
@@ -140,7 +140,7 @@ class ModuleCall:
             ...     model(x).sum().backward()
             >>> cap.trace.module("layer1").grad.shape
         """
-        return self._leaves(self._trace.grads)
+        return self._leaves(_recorded_grads(self._trace))
 
     def _leaves(self, values_of: dict[int, list]) -> Any:
         tree = self._trace.out_trees.get(self.row)
@@ -198,6 +198,23 @@ class Collective:
             f"<Collective {self.label} group={list(self.group_ranks)} seq={self.seq} "
             f"{self.out_numel} x {self.dtype} {self.state}>"
         )
+
+
+def _recorded_grads(trace: Trace) -> dict[int, list]:
+    """``trace.grads`` for ``.grad``; the first time a trace that recorded no backward is asked, a warning: a
+    plain ``loss.backward()`` after ``tl.trace`` runs outside any window, so no gradient is recorded and every
+    ``.grad`` is None."""
+    if not trace.grads and not trace.__dict__.get("_warned_no_backward"):
+        if "backward" not in trace.columns["phase"]:
+            trace._warned_no_backward = True
+            warnings.warn(
+                "tl_dist: this trace recorded no backward, so .grad is None: run the backward through "
+                "trace.log_backward(loss) (tl.trace, with save_grads=) or inside the capture window; a plain "
+                "loss.backward() afterwards records nothing",
+                UserWarning,
+                stacklevel=3,
+            )
+    return trace.grads
 
 
 class Trace:

@@ -19,19 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._common import VALIDATE_ATOL, VALIDATE_RTOL, flat_outputs
-from ._opinfo import mutated_tensors, op_info
+from ._common import VALIDATE_ATOL, VALIDATE_RTOL, clone_strided, flat_outputs
+from ._opinfo import UNINITIALISED, draws_random, mutated_tensors, op_info, unreproducible_outputs
 from ._reexec import fill_args
 from .errors import TlDistError, ValidationError
 
 if TYPE_CHECKING:
     from .trace import Trace
-
-# Ops that return uninitialised memory: their saved output is whatever bytes the allocator handed out, so a
-# replay cannot be expected to reproduce it (OpInfo has no tag for this; torch does not tag these ops).
-_UNINITIALISED = frozenset(
-    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_"}
-)
 
 
 @dataclass(frozen=True)
@@ -59,8 +53,9 @@ class ValidationReport:
 
     @property
     def passed(self) -> bool:
-        """No replayed op differed from its saved output."""
-        return not self.mismatches
+        """No replayed op differed from its saved output, and some op was replayed: a validation that skipped
+        every op checked nothing, and does not pass (an empty trace, with nothing to skip, does)."""
+        return not self.mismatches and (self.checked > 0 or not self.skipped)
 
     @property
     def n_skipped(self) -> int:
@@ -74,7 +69,10 @@ class ValidationReport:
         return self.passed
 
     def __str__(self) -> str:
-        verdict = "passed" if self.passed else "FAILED"
+        if self.mismatches:
+            verdict = "FAILED"
+        else:
+            verdict = "passed" if self.passed else "checked nothing (every op skipped)"
         lines = [
             f"validation {verdict}: {self.checked} ops replayed, {self.n_mismatched} mismatched, "
             f"{self.n_skipped} skipped"
@@ -109,13 +107,13 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float
     return float((res.to(torch.float64) - exp.to(torch.float64)).abs().max()), ""
 
 
-def _skip_reason(info: Any, expected: list | None) -> str | None:
+def _skip_reason(info: Any, expected: list | None, func: Any, args: tuple, kwargs: dict) -> str | None:
     if info.kind == "collective":
         return "collective: replaying it would need every member rank"
-    if info.nondeterministic:
+    if draws_random(info, func, args, kwargs):
         return "nondeterministic op (random numbers)"
     # An empty *size-0* tensor (BatchNorm's reserve placeholder) holds no bytes: its shape is still checked.
-    if info.func in _UNINITIALISED and any(e is not None and e.numel() for e in expected or ()):
+    if info.func in UNINITIALISED and unreproducible_outputs(info.func, expected or []):
         return "returns uninitialised memory"
     if expected is None or all(e is None for e in expected):
         return "own output not saved"
@@ -132,8 +130,9 @@ def validate(
     """Re-execute every saved op of ``trace`` from its parents' saved outputs and compare with its own.
 
     Replays run under ``torch.no_grad()``; tensors an op writes into are cloned first, so neither the model's
-    parameters nor the trace's saved tensors change. Ops whose result is not reproducible (random, returning
-    uninitialised memory, collectives) or whose parents' outputs were not saved are skipped, with the reason.
+    parameters nor the trace's saved tensors change. Ops whose result is not reproducible (drawing random numbers
+    for the arguments they got: dropout with ``p=0`` does not, the rule replay uses too; returning uninitialised
+    memory; collectives) or whose parents' outputs were not saved are skipped, with the reason.
 
     Args:
         trace: a trace recorded with saved outputs (``tl.trace(model, x)`` saves all by default).
@@ -143,7 +142,8 @@ def validate(
         rtol: relative tolerance for floating-point outputs.
 
     Returns:
-        A :class:`ValidationReport`; ``bool(report)`` is true when nothing mismatched.
+        A :class:`ValidationReport`; ``bool(report)`` is true when nothing mismatched and at least one op was
+        replayed (a report that skipped every op checked nothing: false, and its text says so).
 
     Example:
         >>> report = tl.trace(model, x).validate()
@@ -171,7 +171,7 @@ def validate(
             func, skeleton_args, skeleton_kwargs, srcs, consts = trace._replay[index]
             info = op_info(func)
             expected = saved.get(index)
-            reason = _skip_reason(info, expected)
+            reason = _skip_reason(info, expected, func, skeleton_args, skeleton_kwargs)
             if label in edited:
                 reason = f"output replaced by an edit ({edited[label]})"
             elif edit_at and (
@@ -199,7 +199,7 @@ def validate(
             if written:
                 # Write into copies: the originals are saved outputs or the model's own parameters. One copy
                 # per distinct tensor, so an op reading and writing the same tensor still sees one tensor.
-                copies = {id(t): t.clone() for t in written}
+                copies = {id(t): clone_strided(t) for t in written}
                 tensors = [copies.get(id(t), t) for t in tensors]
                 args, kwargs = fill_args(skeleton_args, skeleton_kwargs, tensors)
             try:
