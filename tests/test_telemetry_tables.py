@@ -141,12 +141,21 @@ def test_module_rows_are_inclusive_in_call_order_then_phase_order():
     assert frame.loc[frame.module == "head", "duration_ns"].tolist() == [50, 80]
 
 
-@pytest.mark.parametrize("span", [{}, {"window_start_ns": 500}, {"window_end_ns": 20_500}])
-def test_wall_time_without_a_window_span_is_first_start_to_last_end(span):
+@pytest.mark.parametrize(
+    "span, wall, idle",
+    [
+        # op 0 starts at 1000; the last to end is op 10: 1000 + 10,000 + 3 = 11,003
+        ({}, 10_003, (0, 0)),
+        # each end the shard did not record falls back to the first op's start / the last op's end
+        ({"window_start_ns": 500}, 11_003 - 500, (500, 0)),
+        ({"window_end_ns": 20_500}, 20_500 - 1000, (0, 20_500 - 11_003)),
+    ],
+)
+def test_wall_time_without_a_window_span_falls_back_to_the_ops(span, wall, idle):
     t = summarize(_trace(metadata={"step": 7, "rank": 2, "world_size": 4, "run_id": "r1", **span}))
-    # op 0 starts at 1000; the last to end is op 10: 1000 + 10,000 + 3
-    assert t.wall_ns == 10_003
-    assert t.flops_per_second == 4330 / 10.003e-6
+    assert t.wall_ns == wall
+    assert (t.idle_before_ns, t.idle_after_ns) == idle
+    assert t.flops_per_second == pytest.approx(4330 / (wall / 1e9), rel=1e-15)
     assert (t.step, t.rank, t.world_size, t.run_id) == (7, 2, 4, "r1")
 
 
@@ -446,6 +455,6 @@ def test_the_report_and_telemetry_give_every_collective_kind_the_same_bus_bandwi
         "send": 4e9,
     }
     telemetry = {r.kind: r.busbw for r in summarize(trace).collectives}
-    report = {c["func"]: c["busbw"] for c in Run.of(trace).collectives()}
+    report = {row["kind"]: row["busbw"] for row in Run.of(trace).bandwidth()}
     assert telemetry == pytest.approx(expected, rel=1e-12)
     assert report == pytest.approx(expected, rel=1e-12)

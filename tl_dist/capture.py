@@ -135,6 +135,9 @@ class Capture:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         recorder = self._recorder
+        # The last look at the collectives in flight happens inside the window: a completion first seen while
+        # the trace is built would be stamped after the window's end (its span would outlast the step's).
+        recorder.comm.poll()
         end_ns = time.time_ns()
         try:
             if self._interventions is not None:
