@@ -177,7 +177,7 @@ def test_dask_without_distributed_names_the_extra(tmp_path):
 
 @pytest.mark.slow
 def test_worker_killed_mid_merge_is_retried_with_the_same_result(tmp_path, client):
-    from tl_dist.merge.graph import build
+    from tl_dist.merge.build import build
     from tl_dist.merge.sources import ShardSource, find_shards
 
     _run(tmp_path)

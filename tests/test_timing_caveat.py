@@ -55,7 +55,8 @@ def test_header_is_quiet_when_passive_or_threads_fit_the_cores(monkeypatch, thre
     threads(CORES + extra)
     lines = _header(monkeypatch)
     assert not any(line.startswith("NB:") for line in lines)
-    assert lines[1] == ""  # the blank line before the module table follows the one header line
+    # the header, the window's step facts line, then the blank line before the module table
+    assert lines[1].startswith("window ") and lines[2] == ""
 
 
 def test_merged_summary_names_the_ranks_whose_timings_may_be_inflated(tmp_path):

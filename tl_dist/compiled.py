@@ -253,7 +253,8 @@ class _Region:
             mode._on_op = on_op
 
 
-def _passthrough(func: Any, args: tuple, kwargs: dict) -> Any:
+def _passthrough(func: Any, args: tuple, kwargs: dict, subclass: bool = False) -> Any:
+    """``Recorder.on_op``'s stand-in inside a region: runs the op unrecorded (``subclass`` as there, unused)."""
     return func(*args, **kwargs)
 
 

@@ -16,6 +16,7 @@ Example:
     'merged'
 """
 
+from . import location
 from .codecs import ARRAY_DTYPES, read_arrays, read_ragged_rows, read_table, write_table
 from .files import file_kind, open_group, ragged_lengths, read_merged, read_metadata, write_merged
 from .hdf5 import LazyTensors, load, load_columns, open_shard, write_shard
@@ -30,6 +31,7 @@ __all__ = [
     "file_kind",
     "load",
     "load_columns",
+    "location",
     "open_group",
     "open_shard",
     "ragged_lengths",
