@@ -126,6 +126,7 @@ class OtelSink:
     """
 
     name = "otel"
+    needs_tensors = False  # reads the tables and metadata only: windows reach it without saved tensors
 
     def __init__(
         self,

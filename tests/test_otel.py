@@ -73,6 +73,20 @@ def test_flops_counter_and_op_histogram_counts():
     assert all(a["tl.rank"] == 0 for points in mem.metrics().values() for a, _ in points)
 
 
+def test_otel_sink_gets_windows_without_tensors():
+    # OtelSink reads tables only: a window that saved every output reaches it (and waits in the queue) without
+    # them, and its metrics are those of the tables.
+    mem = InMemory()
+    given = []
+    export = mem.sink.on_window
+    mem.sink.on_window = lambda trace, telemetry: (given.append(trace), export(trace, telemetry))
+    tl.arm(sinks=[mem.sink], options=tl.CaptureOptions(save=True))
+    trace = train_window(make_model(), torch.randn(3, 4))
+    assert len(trace.saved) > len(trace) // 2  # the user's trace keeps its tensors
+    assert [(t.saved, t.output) for t in given] == [({}, None)] and given[0].columns is trace.columns
+    assert mem.point("tl.step.flops", tl_phase="forward").value == 240  # as in the test above
+
+
 def test_step_module_and_norm_metrics():
     mem = InMemory()
     tl.arm(sinks=[mem.sink])

@@ -292,3 +292,88 @@ def test_sigterm_flushes_closed_windows_and_writes_the_open_one(tmp_path):
     open_window = tl.load(shards / "step00000003.h5")
     assert open_window.metadata["complete"] is False and open_window.metadata["end_reason"] == "SIGTERM"
     assert tl.load(shards / "step00000002.h5").metadata["complete"] is True
+
+
+class TelemetryOnlySink(ListSink):
+    name = "telemetry-only"
+    needs_tensors = False
+
+
+def _tensors_of(trace):
+    return [t for kept in (trace.saved, trace.grads) for v in kept.values() for t in v if t is not None]
+
+
+def test_a_sink_that_needs_no_tensors_gets_none_and_the_queue_holds_none_for_it(model):
+    import gc
+    import weakref
+
+    bare, full = TelemetryOnlySink(), ListSink()
+    tl.arm(sinks=[bare, full], options=tl.CaptureOptions(save=True))
+    x = torch.randn(2, 4)
+    with tl.capture(step=0) as cap:
+        model(x)
+    n_saved = len(_tensors_of(cap.trace))
+    assert tl.flush()
+    (got_bare, tel_bare), (got_full, tel_full) = bare.windows[0], full.windows[0]
+    assert n_saved == 6 and len(_tensors_of(got_full)) == 6  # t, addmm, relu, detach, t, addmm
+    assert _tensors_of(got_bare) == [] and got_bare.output is None and got_bare.param_grads == {}
+    assert got_bare.columns is got_full.columns and got_bare.metadata["step"] == 0  # same tables, same facts
+    assert tel_bare is tel_full
+    tl.disarm()
+
+    # Every sink needs no tensors: the queued window holds none (only the user's own trace keeps them).
+    gate = GateSink()
+    gate.needs_tensors = False
+    tl.arm(sinks=[gate], options=tl.CaptureOptions(save=True))
+    gc.disable()
+    try:
+        with tl.capture(step=0):
+            model(x)
+        assert gate.started.wait(30)
+        with tl.capture(step=1) as cap:  # queued while the worker is held by window 0
+            model(x)
+        refs = [weakref.ref(t) for t in _tensors_of(cap.trace)]
+        del cap
+        assert len(refs) == 6 and [r for r in refs if r() is not None] == []
+    finally:
+        gc.enable()
+        gate.release.set()
+    assert tl.flush()
+    assert [t.step for t, _ in gate.windows] == [0, 1] and all(t.saved == {} for t, _ in gate.windows)
+
+
+def test_the_queue_is_bounded_in_bytes_and_drops_the_oldest(model, monkeypatch):
+    x = torch.randn(2, 4)
+    one = tl.trace(model, x)
+    # Saved outputs of one window, float32: t (4x8, the weight's view counts in full), addmm, relu, detach
+    # (2x8 each), t (8x2), addmm (2x2) = (32 + 3 * 16 + 16 + 4) * 4 bytes.
+    size = sum(t.nelement() * t.element_size() for t in _tensors_of(one))
+    assert size == 400
+    monkeypatch.setattr(tl.sinks, "MAX_QUEUED_BYTES", 2 * size + size // 2)  # room for two windows
+    gate = GateSink()
+    tl.arm(sinks=[gate], options=tl.CaptureOptions(save=True))
+    with tl.capture(step=0):
+        model(x)
+    assert gate.started.wait(30)  # the worker holds window 0; the queue is empty
+    for s in range(1, 6):
+        with tl.capture(step=s):
+            model(x)
+    stats = tl.sink_stats()
+    assert (stats.submitted, stats.dropped, stats.pending, stats.queued_bytes) == (6, 3, 3, 2 * size)
+    gate.release.set()
+    assert tl.flush()
+    assert [t.step for t, _ in gate.windows] == [0, 4, 5]
+    assert tl.sink_stats().queued_bytes == 0
+
+
+def test_the_newest_window_is_queued_even_over_the_byte_bound(model, monkeypatch):
+    monkeypatch.setattr(tl.sinks, "MAX_QUEUED_BYTES", 10)
+    sink = ListSink()
+    tl.arm(sinks=[sink], options=tl.CaptureOptions(save=True))
+    x = torch.randn(2, 4)
+    with tl.capture(step=0):
+        model(x)
+    assert tl.flush()
+    assert [t.step for t, _ in sink.windows] == [0] and tl.sink_stats().dropped == 0
+    with pytest.raises(ValueError, match="max_bytes"):
+        tl.sinks.SinkWorker((sink,), max_bytes=-1)

@@ -107,20 +107,93 @@ def test_bad_arguments_name_the_argument(small):
         trace["relu_9"]
 
 
-def test_dropped_trace_is_freed_by_reference_counting(small):
-    # No reference cycles: a discarded trace and its saved tensors go at once, not at the next GC pass
-    # (a cycle kept activations alive and made Python's collections walk whole traces).
-    import gc
+def _tensor_refs(trace):
+    """Weak references to the trace, its recorder and every tensor it saved (outputs, gradients)."""
     import weakref
 
+    refs = [weakref.ref(trace)]
+    if getattr(trace, "_recorder", None) is not None:
+        refs.append(weakref.ref(trace._recorder))
+    refs += [
+        weakref.ref(t)
+        for kept in (trace.saved, trace.grads)
+        for v in kept.values()
+        for t in v
+        if t is not None
+    ]
+    return refs
+
+
+class _WeakSink:
+    """Keeps only weak references to the windows it is given (a sink that exported and forgot them)."""
+
+    def __init__(self):
+        self.refs = []
+
+    def on_window(self, trace, telemetry):
+        self.refs += _tensor_refs(trace)
+
+    def close(self):
+        pass
+
+
+def test_dropped_trace_is_freed_by_reference_counting(small, tmp_path):
+    # No reference cycles: a discarded trace and its saved tensors go at once, not at the next GC pass
+    # (a cycle kept activations alive -- device memory on a GPU -- and made Python's collections walk whole
+    # traces). Every way of making a trace: tl.trace, tl.capture of a training step, forks and replays, and an
+    # armed window once its sinks are done with it.
+    import gc
+
     model, x = small
+    train = Small()
+    opt = torch.optim.SGD(train.parameters(), lr=0.1, momentum=0.9)
+
+    def captured(**options):
+        with tl.capture(**options) as cap:
+            opt.zero_grad()
+            train(x).sum().backward()
+            opt.step()
+        return cap.trace
+
+    def with_backward():
+        trace = tl.trace(train, x, save_grads=True)
+        trace.log_backward(trace.output.sum())
+        return trace
+
+    base = tl.trace(model, x)
+    edit = [tl.when(tl.label("relu_1"), tl.zero_ablate())]
+    makers = {
+        "tl.trace": lambda: tl.trace(model, x),
+        "tl.trace + log_backward": with_backward,
+        "tl.capture": captured,
+        "tl.capture(save, stats, save_grads)": lambda: captured(save=True, stats=True, save_grads=True),
+        "replay": base.replay,
+        "fork().do().replay()": lambda: base.fork().do("relu_1", tl.zero_ablate()).replay(),
+        "fork().do().rerun()": lambda: base.fork().do("relu_1", tl.zero_ablate()).rerun(model, x),
+        "tl.trace(intervene=)": lambda: tl.trace(model, x, intervene=edit),
+    }
+    gc.collect()
     gc.disable()
     try:
-        for save_grads in (None, True):
-            trace = tl.trace(model, x, save_grads=save_grads)
-            trace.log_backward(trace.output.sum()) if save_grads else None
-            refs = [weakref.ref(trace), weakref.ref(trace._recorder), weakref.ref(trace["relu_1"].out)]
+        for name, make in makers.items():
+            trace = make()
+            refs = _tensor_refs(trace)
+            assert len(refs) > 2 or name == "tl.capture", name  # it saved something to free
             del trace
-            assert [r() for r in refs] == [None, None, None]
+            assert [r for r in refs if r() is not None] == [], name
+        sink = _WeakSink()
+        tl.arm(tmp_path, sinks=[sink], options=tl.CaptureOptions(save=True, save_grads=True))
+        try:
+            for step in range(2):
+                with tl.capture(step=step) as cap:
+                    opt.zero_grad()
+                    train(x).sum().backward()
+                    opt.step()
+                del cap
+            assert tl.flush()
+        finally:
+            tl.disarm()
+        assert len(sink.refs) > 4  # both windows reached the sink with their tensors
+        assert [r for r in sink.refs if r() is not None] == []
     finally:
         gc.enable()

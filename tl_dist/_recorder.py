@@ -43,6 +43,7 @@ _grad_enabled = torch.is_grad_enabled
 # Row values are plain tuples of ints and strs (shapes as tuples, not torch.Size; an int capture token in tags)
 # so that CPython's GC untracks them: a long capture then leaves no pile of containers for a full collection.
 _TOKENS = itertools.count(1)
+_Parameter = torch.nn.Parameter
 
 _MODULE = _FIELD_INDEX["module"]
 _MODULE_STACK = _FIELD_INDEX["module_stack"]
@@ -144,8 +145,10 @@ class CaptureMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         # types is empty for plain tensors; a tensor subclass (DTensor, AsyncCollectiveTensor) runs its own
-        # dispatch inside this op, which may communicate (see SubclassMode).
-        return self._on_op(func, args, kwargs or {}, bool(types))
+        # dispatch inside this op, which may communicate (see SubclassMode). Some ops name plain torch.Tensor
+        # there (the detach inside relu_ in training): those have no dispatch of their own, nor nn.Parameter.
+        subclass = bool(types) and any(t is not Tensor and t is not _Parameter for t in types)
+        return self._on_op(func, args, kwargs or {}, subclass)
 
 
 class SubclassMode(TorchDispatchMode):

@@ -5,7 +5,11 @@ thread builds the trace and hands it to one background worker thread (a bounded 
 the window's :class:`tl_dist.telemetry.StepTelemetry` once and calls every sink with both. So a slow or failing
 sink never slows or breaks the training loop:
 
-- a full queue drops the *oldest* window and counts it (:func:`tl_dist.sink_stats`);
+- a full queue (:data:`MAX_QUEUED_WINDOWS` windows or :data:`MAX_QUEUED_BYTES` of saved tensors) drops the
+  *oldest* window and counts it (:func:`tl_dist.sink_stats`);
+- a sink that needs only the window's :class:`~tl_dist.telemetry.StepTelemetry` and tables says so with
+  ``needs_tensors = False``: it gets the trace without saved tensors, and when every sink says so the queue
+  holds none;
 - a sink that raises is logged once (logger ``tl_dist``) with its name, counted, and called again for the next
   window;
 - ``tl.disarm()`` and interpreter exit flush the queue (bounded time), then call each sink's ``close()``.
@@ -39,6 +43,13 @@ log = logging.getLogger("tl_dist")
 MAX_QUEUED_WINDOWS = 8
 """Windows waiting for the worker at most; one more drops the oldest (a window can hold saved tensors)."""
 
+MAX_QUEUED_BYTES = 2 << 30
+"""Bytes of saved tensors (outputs, gradients, parameter gradients) the queued windows hold at most: a window
+that would go over drops the oldest queued ones until it fits (each counted in ``dropped``). The newest window
+is always queued, however big: its tensors exist already, and dropping it would free nothing sooner. Read when
+``tl.arm`` starts the worker. A window's bytes are its saved ops' ``out_bytes`` (a view counts in full), so the
+bound errs on the safe side."""
+
 
 @runtime_checkable
 class Sink(Protocol):
@@ -48,6 +59,10 @@ class Sink(Protocol):
     ``on_window(trace, telemetry)`` gets the window's :class:`tl_dist.Trace` (with ``trace.metadata``: rank,
     step, run id, host, ...) and its :class:`tl_dist.telemetry.StepTelemetry` (None only if summarising failed,
     which is logged). ``close()`` is called once at ``tl.disarm()`` or exit, after the last window.
+
+    A sink may set ``needs_tensors = False`` (a class attribute): its trace then has every table and the
+    metadata but no saved tensors (``saved``, ``grads``, ``param_grads`` empty, ``output`` None), and a window
+    whose sinks all say so is queued without them (see :func:`needs_tensors`).
     """
 
     def on_window(self, trace: Trace, telemetry: StepTelemetry | None) -> None: ...
@@ -59,6 +74,32 @@ def sink_name(sink: Any) -> str:
     """How logs and :func:`sink_stats` name a sink: its ``name`` attribute, else its class name."""
     name = getattr(sink, "name", None)
     return name if isinstance(name, str) and name else type(sink).__name__
+
+
+def needs_tensors(sink: Any) -> bool:
+    """Whether ``sink`` is given the window's saved tensors: unless it sets ``needs_tensors = False``.
+
+    Example:
+        >>> class StepTimes:
+        ...     needs_tensors = False  # reads only the telemetry: windows reach it without tensors
+        ...     def on_window(self, trace, telemetry):
+        ...         print(telemetry.wall_ns)
+        ...     def close(self):
+        ...         pass
+        >>> needs_tensors(StepTimes())
+        False
+    """
+    return getattr(sink, "needs_tensors", True) is not False
+
+
+def window_bytes(trace: Trace) -> int:
+    """Bytes of the tensors ``trace`` holds for the queue's bound: saved outputs and gradients counted by their
+    ops' ``out_bytes``, plus parameter gradients (see :data:`MAX_QUEUED_BYTES`)."""
+    if not trace.saved and not trace.grads and not trace.param_grads:
+        return 0  # the telemetry default: a metadata-only window
+    out_bytes = trace.columns["out_bytes"]
+    total = sum(out_bytes[i] for i in trace.saved) + sum(out_bytes[i] for i in trace.grads)
+    return total + sum(g.nelement() * g.element_size() for g in trace.param_grads.values())
 
 
 def check_sinks(sinks: Any) -> tuple[Sink, ...]:
@@ -82,8 +123,9 @@ class SinkStats:
     Attributes:
         submitted: windows handed to the worker.
         delivered: windows every sink was called with (successfully or not).
-        dropped: windows dropped because the queue was full (the oldest goes first).
+        dropped: windows dropped because the queue was full, in windows or bytes (the oldest goes first).
         pending: windows waiting or being delivered now.
+        queued_bytes: bytes of saved tensors the waiting windows hold now (see :data:`MAX_QUEUED_BYTES`).
         errors: sink name -> how many windows it raised on.
         last_error: sink name -> its last error, as ``"Type: message"``.
         busy_s: seconds the worker spent delivering (telemetry + sinks).
@@ -93,6 +135,7 @@ class SinkStats:
     delivered: int = 0
     dropped: int = 0
     pending: int = 0
+    queued_bytes: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     last_error: dict[str, str] = field(default_factory=dict)
     busy_s: float = 0.0
@@ -105,11 +148,18 @@ class SinkWorker:
     does not wait for it; ``atexit`` flushing is the caller's (``tl.arm`` registers it).
     """
 
-    def __init__(self, sinks: tuple[Sink, ...], *, max_queued: int = MAX_QUEUED_WINDOWS) -> None:
+    def __init__(
+        self, sinks: tuple[Sink, ...], *, max_queued: int = MAX_QUEUED_WINDOWS, max_bytes: int | None = None
+    ) -> None:
         if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
             raise ValueError(f"max_queued must be a positive int, got {max_queued!r}")
+        max_bytes = MAX_QUEUED_BYTES if max_bytes is None else max_bytes
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
         self.sinks = sinks
         self.max_queued = max_queued
+        self.max_bytes = max_bytes
+        self._tensor_free = tuple(s for s in sinks if not needs_tensors(s))
         self.stats = SinkStats()
         self._queue: collections.deque = collections.deque()
         self._busy = False
@@ -122,17 +172,23 @@ class SinkWorker:
         """Queue ``trace`` for every sink but those in ``skip``; never blocks (a full queue drops the oldest)."""
         if not self.sinks:
             return
+        getting = [s for s in self.sinks if not any(s is k for k in skip)]
+        if getting and all(any(s is f for f in self._tensor_free) for s in getting):
+            trace = trace.without_tensors()  # no sink wants them: the queue does not keep them alive
+        size = window_bytes(trace)
         with self._cond:
             if self._closed:
                 return
             if os.getpid() != self._pid:  # a forked child: the parent's thread and queue are not ours
                 return
-            if len(self._queue) >= self.max_queued:
-                self._queue.popleft()
-                self.stats.dropped += 1
-            self._queue.append((trace, skip))
-            self.stats.submitted += 1
-            self.stats.pending = len(self._queue) + self._busy
+            queue, stats = self._queue, self.stats
+            while queue and (len(queue) >= self.max_queued or stats.queued_bytes + size > self.max_bytes):
+                stats.queued_bytes -= queue.popleft()[2]
+                stats.dropped += 1
+            queue.append((trace, skip, size))
+            stats.queued_bytes += size
+            stats.submitted += 1
+            stats.pending = len(queue) + self._busy
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tl_dist-sinks", daemon=True)
                 self._thread.start()
@@ -159,6 +215,7 @@ class SinkWorker:
             left = list(self._queue)
             self._queue.clear()
             self.stats.dropped += len(left)
+            self.stats.queued_bytes = 0
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=1.0 if flushed else 0.1)
@@ -181,7 +238,8 @@ class SinkWorker:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
-                trace, skip = self._queue.popleft()
+                trace, skip, size = self._queue.popleft()
+                self.stats.queued_bytes -= size
                 self._busy = True
             started = time.perf_counter()
             try:
@@ -190,15 +248,17 @@ class SinkWorker:
                 except Exception as exc:  # noqa: BLE001
                     telemetry = None
                     self._failed(None, exc, "summarize")
+                bare = trace.without_tensors() if self._tensor_free else trace
                 for sink in self.sinks:
                     if any(sink is s for s in skip):
                         continue
                     try:
-                        sink.on_window(trace, telemetry)
+                        tensor_free = any(sink is s for s in self._tensor_free)
+                        sink.on_window(bare if tensor_free else trace, telemetry)
                     except Exception as exc:  # noqa: BLE001 - never into the training loop
                         self._failed(sink, exc, "on_window")
             finally:
-                del trace
+                trace = bare = None  # the worker keeps no window alive while it waits
                 with self._cond:
                     self._busy = False
                     self.stats.delivered += 1

@@ -264,6 +264,26 @@ class Trace:
         self._labels: dict[str, int] | None = None
         self._children: list[tuple[int, ...]] | None = None
 
+    def without_tensors(self) -> Trace:
+        """This trace's tables and metadata without any tensor: no saved outputs, gradients, replay records or
+        output (what a sink with ``needs_tensors = False`` gets). The tables are shared, not copied.
+
+        Example:
+            >>> bare = trace.without_tensors()
+            >>> len(bare) == len(trace), bare.saved, bare.output
+            (True, {}, None)
+        """
+        return Trace(
+            self.columns,
+            self.module_table,
+            collective_table=self.collective_table,
+            output_of=self.output_of,
+            metadata=self.metadata,
+            failed_op=self.failed_op,
+            stats_table=self.stats_table,
+            interventions=self.interventions,
+        )
+
     # -- container protocol --------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.columns["index"])
