@@ -118,8 +118,11 @@ class SinkWorker:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
-    def submit(self, trace: Trace, *, skip: tuple[Sink, ...] = ()) -> None:
-        """Queue ``trace`` for every sink but those in ``skip``; never blocks (a full queue drops the oldest)."""
+    def submit(
+        self, trace: Trace, *, skip: tuple[Sink, ...] = (), telemetry: StepTelemetry | None = None
+    ) -> None:
+        """Queue ``trace`` for every sink but those in ``skip``; never blocks (a full queue drops the oldest).
+        ``telemetry``: the window's summary when the caller computed it already (else the worker does, once)."""
         if not self.sinks:
             return
         with self._cond:
@@ -130,7 +133,7 @@ class SinkWorker:
             if len(self._queue) >= self.max_queued:
                 self._queue.popleft()
                 self.stats.dropped += 1
-            self._queue.append((trace, skip))
+            self._queue.append((trace, skip, telemetry))
             self.stats.submitted += 1
             self.stats.pending = len(self._queue) + self._busy
             if self._thread is None:
@@ -181,15 +184,15 @@ class SinkWorker:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
-                trace, skip = self._queue.popleft()
+                trace, skip, telemetry = self._queue.popleft()
                 self._busy = True
             started = time.perf_counter()
             try:
-                try:
-                    telemetry = summarize(trace)
-                except Exception as exc:  # noqa: BLE001
-                    telemetry = None
-                    self._failed(None, exc, "summarize")
+                if telemetry is None:
+                    try:
+                        telemetry = summarize(trace)
+                    except Exception as exc:  # noqa: BLE001
+                        self._failed(None, exc, "summarize")
                 for sink in self.sinks:
                     if any(sink is s for s in skip):
                         continue
