@@ -32,6 +32,7 @@ from lightning_models import (
     params,
     trainer_kwargs,
 )
+from sink_helpers import StepSink
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
@@ -425,21 +426,8 @@ def test_capture_root_names_modules_inside_a_wrapper():
         tl.capture(root="inner")
 
 
-class _StepSink:
-    """Records the step and the summary of every window it is handed."""
-
-    def __init__(self):
-        self.windows = []
-
-    def on_window(self, trace, telemetry):
-        self.windows.append((trace.step, telemetry))
-
-    def close(self):
-        pass
-
-
 def test_a_users_arm_survives_a_fit_with_the_callback(tmp_path):
-    user_sink = _StepSink()
+    user_sink = StepSink()
     tl.arm(tmp_path / "user", sinks=[user_sink])
     try:
         state = armed()
@@ -458,7 +446,7 @@ def test_a_users_arm_survives_a_fit_with_the_callback(tmp_path):
 
 
 def test_a_windows_summary_is_computed_once_for_the_logs_and_the_sinks(tmp_path, summarize_calls):
-    sink = _StepSink()
+    sink = StepSink()
     cb = TelemetryCallback(1, out_dir=tmp_path / "tl", sinks=[sink], peak_flops=1e12, merge_on_end=False)
     fit(tmp_path, Regressor(), [cb], max_steps=3, logger=CSVLogger(str(tmp_path), name="run"))
     assert len(summarize_calls) == 3  # one per window: the callback's logs and the sinks share it

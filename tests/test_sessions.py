@@ -8,21 +8,11 @@ import signal
 
 import pytest
 import torch
+from sink_helpers import StepSink
 from torch import nn
 
 import tl_dist as tl
 from tl_dist.arm import _on_signal, armed, write_postmortem
-
-
-class ListSink:
-    def __init__(self):
-        self.windows = []
-
-    def on_window(self, trace, telemetry):
-        self.windows.append((trace.step, telemetry))
-
-    def close(self):
-        pass
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +31,7 @@ def _shards(folder):
 
 def test_a_session_beside_tl_arm_keeps_each_window_with_its_own_session(tmp_path):
     model = nn.Linear(4, 2)
-    mine, theirs = ListSink(), ListSink()
+    mine, theirs = StepSink(), StepSink()
     tl.arm(tmp_path / "user", sinks=[mine], options=tl.CaptureOptions(save=None))
     user_state = armed()
     session = tl.armed_session(tmp_path / "own", sinks=[theirs], options=tl.CaptureOptions(save=True))
@@ -101,7 +91,7 @@ def test_a_post_mortem_goes_to_the_open_windows_session(tmp_path):
 
 def test_a_windows_summary_is_computed_once_and_the_sinks_get_that_one(tmp_path, summarize_calls):
     model = nn.Linear(4, 2)
-    sink = ListSink()
+    sink = StepSink()
     session = tl.armed_session(tmp_path / "own", sinks=[sink], summarize_on_close=True, peak_flops=1e12)
     caps = []
     for step in (0, 1):
@@ -117,7 +107,7 @@ def test_a_windows_summary_is_computed_once_and_the_sinks_get_that_one(tmp_path,
     assert t.total_flops > 0 and t.mfu == pytest.approx(t.total_flops / (t.wall_ns * 1e-9) / 1e12)
     session.close()
     # tl.arm leaves the summary to the sink worker: once per window there too
-    tl.arm(sinks=[ListSink()])
+    tl.arm(sinks=[StepSink()])
     with tl.capture(step=5) as cap:
         _step(model)
     assert tl.flush() and summarize_calls[2:] == [cap.trace]
