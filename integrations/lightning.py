@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 import uuid
@@ -39,12 +39,10 @@ except ImportError as exc:  # the tl_dist[lightning] extra is not installed
     raise missing_extra("tl_dist.integrations.lightning", "lightning", exc) from exc
 
 import tl_dist as tl
-from tl_dist.merge.draw import merged_source
 from tl_dist.options import check_options
+from tl_dist.pipeline import finish_run
 from tl_dist.sinks import check_sinks
 from tl_dist.store import shard_path
-from tl_dist.telemetry import summarize
-from tl_dist.views.draw import GRAPHVIZ_HINT
 
 from ._step_metrics import (
     SCALARS,
@@ -64,8 +62,9 @@ __all__ = ["NonFiniteError", "TelemetryCallback"]
 ON_NONFINITE = ("warn", "raise", "stop")
 SUPERSEDED = "superseded"
 """Folder (under the shard folder) where shards of steps a fit runs again are moved, never overwritten."""
-MAX_DRAWN_NODES = 5_000
-"""graph.svg is not laid out past this many nodes (dot would run for hours; it takes a minute or two for a few thousand); graph.dot is written."""
+log = logging.getLogger("lightning.pytorch.callbacks.tl_dist")
+"""Where the end-of-fit merge reports (its line, the findings table, the files written): under Lightning's own
+logger, so it shows where Lightning's messages show (rank 0)."""
 _PRECISION_DTYPES = {"64": torch.float64, "32": torch.float32, "16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -85,7 +84,8 @@ class TelemetryCallback(pl.Callback):
         sinks: more consumers of the windows (:class:`tl_dist.Sink`), e.g. an OpenTelemetry sink.
         log: log the step telemetry to the trainer's loggers (names in ``docs/lightning.md``).
         merge_on_end: at the end of ``fit``, rank 0 merges the shards into ``merged.h5``, ``timeline.json``
-            (Perfetto) and ``graph.svg`` (with Graphviz), and prints the findings.
+            (Perfetto) and ``graph.svg`` (with Graphviz), and logs the findings (:data:`log`); the same pipeline
+            as ``tl-dist merge`` (:func:`tl_dist.pipeline.finish_run`).
         on_nonfinite: with statistics on, what a NaN (or an infinite gradient) on any rank does: ``"warn"``,
             ``"raise"`` (:class:`NonFiniteError` on every rank) or ``"stop"`` (``trainer.should_stop``).
         peak_flops: peak FLOP/s of one device, for ``tl/mfu``; default from Lightning's
@@ -95,9 +95,12 @@ class TelemetryCallback(pl.Callback):
         >>> cb = TelemetryCallback(every_n_steps=100, options=tl.CaptureOptions(stats=True), on_nonfinite="stop")
         >>> L.Trainer(callbacks=[cb], logger=CSVLogger("logs")).fit(model)
 
+    The callback arms a session of its own (``tl.armed_session``): a ``tl.arm`` the user holds keeps its folder,
+    sinks and options through the fit, and plain ``tl.capture`` windows keep going to it.
+
     Caveats: validation that runs between the micro-batches of a captured step is recorded in its window; the
-    telemetry of a window is computed on the training thread right after it (the shard is written in the
-    background).
+    telemetry of a window is computed once, on the training thread right after it, and the same summary goes to
+    the sinks (the shard is written in the background).
     """
 
     def __init__(
@@ -197,7 +200,7 @@ class TelemetryCallback(pl.Callback):
     def _reset(self) -> None:
         self._cap: Any = None  # the open tl.capture window
         self._window_step = -1
-        self._armed = False
+        self._session: Any = None  # this fit's own armed session (tl.armed_session), while armed
         self._at_boundary = True  # the next batch is the first micro-batch of an optimizer step
         self._batch_start_step = -1
         self._next_due = 0
@@ -218,11 +221,17 @@ class TelemetryCallback(pl.Callback):
         tag = trainer.strategy.broadcast(time.strftime("%Y%m%d-%H%M%S"))
         _set_aside(out, trainer.global_rank, trainer.world_size, step, tag)
         self.captured_steps = [s for s in self.captured_steps if s < step]
-        tl.arm(out, every=self.every_n_steps, sinks=self.sinks, options=self.options)
-        self._armed = True
+        self._peak = self.peak_flops or _device_peak(trainer)
+        self._session = tl.armed_session(
+            out,
+            sinks=self.sinks,
+            options=self.options,
+            peak_flops=self._peak,
+            # The summary is needed on the training thread: computed there once, handed on to the sinks.
+            summarize_on_close=(self.log and bool(trainer.loggers)) or self.options.stats is not None,
+        )
         self.shard_dir = out
         self._next_due = -(-step // self.every_n_steps) * self.every_n_steps  # first multiple >= step
-        self._peak = self.peak_flops or _device_peak(trainer)
         self._timed, self._every = module_addresses([name for name, _ in pl_module.named_modules()])
         self._children = {name for name, _ in pl_module.named_children()}
         self._key = modules_key(self._timed, self._every)
@@ -244,8 +253,8 @@ class TelemetryCallback(pl.Callback):
     ) -> None:
         step = trainer.global_step
         self._batch_start_step = step
-        if self._armed and self._cap is None and self._at_boundary and step >= self._next_due:
-            cap = tl.capture(step=step, root=pl_module)
+        if self._session is not None and self._cap is None and self._at_boundary and step >= self._next_due:
+            cap = self._session.capture(step=step, root=pl_module)
             cap.__enter__()
             self._cap, self._window_step = cap, step
 
@@ -275,17 +284,15 @@ class TelemetryCallback(pl.Callback):
             # The error ended the window: arm's machinery writes its post-mortem shard now, synchronously,
             # and the partial trace travels with the error (exception.tl_trace).
             cap.__exit__(type(exception), exception, exception.__traceback__)
-        if self._armed:
-            self._armed = False
-            tl.disarm()
+        self._disarm()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._armed:
+        if self._session is None:
             return
         if self._cap is not None:
             self._close_window(trainer)
-        if not tl.flush():
+        if not self._session.flush():
             rank_zero_warn(
                 f"tl_dist: rank {trainer.global_rank}: shards were still being written after the timeout"
             )
@@ -294,15 +301,17 @@ class TelemetryCallback(pl.Callback):
             if self.merge_on_end and trainer.is_global_zero and self.captured_steps:
                 self._merge(trainer)
         finally:
-            self._armed = False
-            tl.disarm()
+            self._disarm()
             self._hand_back(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._armed:  # a fit that ended without on_fit_end
-            self._armed = False
-            tl.disarm()
+        self._disarm()  # a fit that ended without on_fit_end
+
+    def _disarm(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
 
     # -- state --------------------------------------------------------------------------------------------
     @override
@@ -328,9 +337,13 @@ class TelemetryCallback(pl.Callback):
         logging = self.log and bool(trainer.loggers)
         if not (logging or statistics):
             return
-        # Outside the window: the gathers below are not part of the recorded step.
+        # Outside the window: the gathers below are not part of the recorded step. The window's summary was
+        # computed once as it closed (the sinks get the same one).
+        telemetry = cap.window.telemetry
+        error = cap.window.telemetry_error
         try:
-            telemetry = summarize(cap.trace, peak_flops=self._peak)
+            if error is not None:
+                raise error
             scalars = rank_scalars(telemetry, self._key)
         except Exception as exc:  # noqa: BLE001 - a telemetry failure must not end the training
             rank_zero_warn(f"tl_dist: could not summarise step {step}: {type(exc).__name__}: {exc}")
@@ -374,15 +387,17 @@ class TelemetryCallback(pl.Callback):
     def _merge(self, trainer: pl.Trainer) -> None:
         out = self.shard_dir
         try:
-            g = tl.merge_ranks(out)
-            written = [g.save(out / "merged.h5"), g.to_perfetto(str(out / "timeline.json"))]
+            g = finish_run(
+                out,
+                merged=out / "merged.h5",
+                timeline=out / "timeline.json",
+                graph=True,
+                clusters=self._children,
+                logger=log,
+            ).merged
         except TlDistError as exc:
             rank_zero_warn(f"tl_dist: could not merge the shards in {out}: {exc}")
             return
-        try:
-            written.append(_draw_last_step(g, out, self._children))
-        except tl.MissingToolError as exc:
-            print(f"tl_dist: skipped graph.svg: {exc}")
         metrics = {"tl/findings": float(len(g.findings))}
         stragglers = g.stragglers()
         if len(stragglers):
@@ -390,10 +405,6 @@ class TelemetryCallback(pl.Callback):
             metrics["tl/top_straggler"] = float(caused.idxmax())
         if self.log:
             _log(trainer, metrics, trainer.global_step)
-        print(f"tl_dist: merged steps {g.steps} of {g.world_size} rank(s): {len(g.findings)} finding(s)")
-        if g.findings:
-            print(_findings_table(g.findings))
-        print("tl_dist: wrote " + ", ".join(str(p) for p in written))
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
@@ -449,50 +460,3 @@ def _set_aside(out: Path, rank: int, world_size: int, from_step: int, tag: str) 
             target = out / SUPERSEDED / tag / folder.name / path.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(path), str(target))
-
-
-def _draw_last_step(g: Any, out: Path, children: set[str]) -> str:
-    """``graph.dot``, and ``graph.svg`` laid out from it by a detached ``dot``: the ranks of the last captured
-    step, the LightningModule's children as clusters, everything below them collapsed into one node each.
-
-    Every backward and optimizer op is a node of its own, so a real model's step has thousands of nodes and
-    dot can take minutes: it runs in its own process, which outlives the fit, and ``graph.svg`` appears when
-    it is done (written under a temporary name, then renamed). Past :data:`MAX_DRAWN_NODES` it is not started.
-    """
-    last = g.steps[-1]
-    shards = [shard_path(out, r, last) for r in g.ranks if shard_path(out, r, last).exists()]
-    step_graph = g if len(g.steps) == 1 else tl.merge_ranks(shards)
-    table = step_graph.rank(g.ranks[0]).module_table
-    depths = [d for a, d in zip(table["address"], table["depth"]) if a in children]
-    source = merged_source(step_graph, depth=min(depths) if depths else 1)
-    dot_file = out / "graph.dot"
-    dot_file.write_text(source)
-    dot = shutil.which("dot")
-    if dot is None:
-        raise tl.MissingToolError(
-            f"Graphviz's `dot` is not on PATH; wrote {dot_file} only. Install Graphviz ({GRAPHVIZ_HINT}), then "
-            f"`dot -Tsvg {dot_file} -o {out / 'graph.svg'}`"
-        )
-    nodes = source.count(" [label=")
-    if nodes > MAX_DRAWN_NODES:
-        print(f"tl_dist: {dot_file} has {nodes} nodes, too many to lay out after a fit; not drawn")
-        return str(dot_file)
-    svg = out / "graph.svg"
-    subprocess.Popen(  # noqa: S603 - fixed argv, no shell input from outside
-        ["sh", "-c", '"$0" -Tsvg "$1" -o "$2.tmp" && mv "$2.tmp" "$2"', dot, str(dot_file), str(svg)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # not killed with the training's process group
-    )
-    return f"{svg} (laid out in the background)"
-
-
-def _findings_table(findings: list[Any]) -> str:
-    import pandas as pd
-
-    frame = pd.DataFrame(
-        [(f.step, f.kind, ",".join(map(str, f.ranks)), f.message) for f in findings],
-        columns=["step", "kind", "ranks", "message"],
-    )
-    return frame.to_string(index=False)

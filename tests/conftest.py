@@ -79,3 +79,25 @@ def step_trace():
         model(x).sum().backward()
         opt.step()
     return cap.trace
+
+
+@pytest.fixture
+def summarize_calls(monkeypatch):
+    """The traces ``tl_dist.telemetry.summarize`` ran on, counted by a wrapper that calls the real one -- under
+    every name the package (and the Lightning callback, on older layouts) binds it to."""
+    import importlib
+    import sys
+
+    from tl_dist import telemetry
+
+    real = telemetry.summarize
+    calls = []
+
+    def counting(trace, *args, **kwargs):
+        calls.append(trace)
+        return real(trace, *args, **kwargs)
+
+    for name in ("tl_dist.telemetry", "tl_dist.sinks", "tl_dist.arm", "tl_dist.integrations.lightning"):
+        module = sys.modules.get(name) or importlib.import_module(name)
+        monkeypatch.setattr(module, "summarize", counting, raising=False)
+    return calls

@@ -8,7 +8,9 @@ here (docs/lightning.md), never with the callback's own code.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from lightning_models import (
     params,
     trainer_kwargs,
 )
+from sink_helpers import StepSink
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
@@ -421,3 +424,45 @@ def test_capture_root_names_modules_inside_a_wrapper():
     assert [op.module for op in cap.trace if op.func == "addmm"] == ["inner.0"]
     with pytest.raises(ValueError, match="root must be a torch.nn.Module"):
         tl.capture(root="inner")
+
+
+def test_a_users_arm_survives_a_fit_with_the_callback(tmp_path):
+    user_sink = StepSink()
+    tl.arm(tmp_path / "user", sinks=[user_sink])
+    try:
+        state = armed()
+        before = signal.getsignal(signal.SIGTERM)
+        cb = TelemetryCallback(1, out_dir=tmp_path / "tl")
+        fit(tmp_path, Regressor(), [cb], max_steps=2)
+        assert armed() is state and signal.getsignal(signal.SIGTERM) is before
+        with tl.capture(step=7):  # the user's own window still goes to the user's folder and sink
+            torch.ones(2).add(1)
+        assert tl.flush()
+        assert shard_steps(tmp_path / "user") == {"rank00000": [7]}
+        assert shard_steps(tmp_path / "tl") == {"rank00000": [0, 1]}
+        assert [s for s, _ in user_sink.windows] == [7] and tl.sink_stats().delivered == 1
+    finally:
+        tl.disarm()
+
+
+def test_a_windows_summary_is_computed_once_for_the_logs_and_the_sinks(tmp_path, summarize_calls):
+    sink = StepSink()
+    cb = TelemetryCallback(1, out_dir=tmp_path / "tl", sinks=[sink], peak_flops=1e12, merge_on_end=False)
+    fit(tmp_path, Regressor(), [cb], max_steps=3, logger=CSVLogger(str(tmp_path), name="run"))
+    assert len(summarize_calls) == 3  # one per window: the callback's logs and the sinks share it
+    assert [s for s, _ in sink.windows] == [0, 1, 2]
+    logged = pd.read_csv(tmp_path / "run" / "version_0" / "metrics.csv").set_index("step")
+    for step, telemetry in sink.windows:
+        assert telemetry.peak_flops == 1e12  # the callback's summary (the worker's own has no peak)
+        assert logged.loc[step, "tl/mfu"] == pytest.approx(telemetry.mfu)
+
+
+def test_the_end_of_fit_merge_logs_its_findings_line_through_logging(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.callbacks.tl_dist"):
+        fit(tmp_path, Regressor(), [TelemetryCallback(1, out_dir=tmp_path / "tl")], max_steps=2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning.pytorch.callbacks.tl_dist"]
+    assert lines[0] == "tl_dist: merged steps [0, 1] of 1 rank(s): 0 finding(s)"
+    assert lines[-1].startswith(
+        f"tl_dist: wrote {tmp_path / 'tl' / 'merged.h5'}, {tmp_path / 'tl' / 'timeline.json'}"
+    )
+    assert tl.load_merged(tmp_path / "tl" / "merged.h5").steps == [0, 1]

@@ -10,7 +10,7 @@ from . import (
     api,  # noqa: F401 (attaches the Trace and MergedTrace methods that reach views, store, report)
     telemetry,
 )
-from .arm import arm, disarm, flush, should_capture, sink_stats
+from .arm import Armed, arm, armed_session, disarm, flush, should_capture, sink_stats
 from .capture import Capture, capture, trace
 from .causal import downstream, upstream
 from .compare import compare
@@ -49,6 +49,7 @@ from .store import ShardOptions, load, shard_path
 from .trace import Collective, ModuleCall, Op, Trace
 
 __all__ = [
+    "Armed",
     "Capture",
     "CaptureOptions",
     "Collective",
@@ -77,6 +78,7 @@ __all__ = [
     "add",
     "add_noise",
     "arm",
+    "armed_session",
     "capture",
     "clamp",
     "compare",

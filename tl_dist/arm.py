@@ -20,7 +20,6 @@ import atexit
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import warnings
@@ -29,21 +28,36 @@ from typing import Any
 
 import torch
 
-from . import _session
-from ._recorder import ACTIVE
-from ._stacks import frame_stack, traceback_stack
+from . import _session, _signals
+from ._postmortem import SIGNAL_FLUSH_S, write_postmortem
+from ._postmortem import writing as _writing
+from ._signals import on_signal as _on_signal
+from ._stacks import traceback_stack
+from .capture import Capture, open_capture
 from .compiled import watch_compiles
 from .options import CaptureOptions, check_options
 from .sinks import SinkStats, SinkWorker, check_sinks
 from .store import ShardOptions, ShardSink, location
+from .telemetry import StepTelemetry, summarize
 
-_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
+__all__ = [
+    "FLUSH_TIMEOUT_S",
+    "SIGNAL_FLUSH_S",
+    "Armed",
+    "arm",
+    "armed",
+    "armed_session",
+    "disarm",
+    "flush",
+    "should_capture",
+    "sink_stats",
+    "write_postmortem",
+]
+
 _DEFAULT_SHARD = ShardOptions()
 _DEFAULT_OPTIONS = CaptureOptions()
 FLUSH_TIMEOUT_S = 30.0
 """How long ``disarm()`` and interpreter exit wait for the sinks to take the queued windows."""
-SIGNAL_FLUSH_S = 10.0
-"""How long a terminating signal (SIGTERM) waits for them before the process ends."""
 
 
 def _run_id(out_dir: Path | str | None, host: str) -> str:
@@ -89,7 +103,11 @@ def _boot_id() -> str:
 
 
 class Armed:
-    """The armed state of this process (``tl.arm``), the capture core's session: options, metadata, sinks."""
+    """An armed session: the options, run metadata and sinks its capture windows use.
+
+    ``tl.arm`` makes one the process's (plain ``tl.capture`` windows open in it); :func:`armed_session` makes
+    one that only its own :meth:`capture` windows use, e.g. a framework callback's, beside a user's ``tl.arm``.
+    """
 
     def __init__(
         self,
@@ -99,11 +117,15 @@ class Armed:
         every: int | None,
         sinks: tuple[Any, ...],
         shard: ShardOptions,
+        peak_flops: float | None = None,
+        summarize_on_close: bool = False,
     ) -> None:
         self.out_dir = out_dir
         self.options = options
         self.every = every
         self.shard = shard
+        self.peak_flops = peak_flops
+        self.summarize_on_close = summarize_on_close
         self.metadata = _run_metadata(out_dir)
         self.shard_sink = ShardSink(out_dir, shard=shard) if out_dir is not None else None
         all_sinks = ((self.shard_sink,) if self.shard_sink is not None else ()) + sinks
@@ -111,11 +133,40 @@ class Armed:
         rank_dir = f"rank{self.metadata['rank']:05d}"
         self.rank_dir = location.join(out_dir, rank_dir) if out_dir is not None else None
         self.windows = 0
-        self.previous_handlers: dict[int, Any] = {}
-        self.watcher: _SignalWatcher | None = None
+        self.previous_handlers: dict[int, Any] = {}  # filled when this session installs the signal handlers
+        self.watcher: Any = None  # the signal watcher thread of those handlers
+        self.closed = False
 
     def open_window(self, step: int | None) -> Window:
         return Window(self, step)
+
+    def capture(self, *, step: int | None = None, root: torch.nn.Module | None = None) -> Capture:
+        """A ``tl.capture`` window of this session (whatever the process's ``tl.arm`` is), with its options.
+
+        Example:
+            >>> session = tl.armed_session("runs/fit")
+            >>> with session.capture(step=3):
+            ...     model(x).sum().backward()
+            >>> session.close()  # runs/fit/rank00000/step00000003.h5
+        """
+        if self.closed:
+            raise ValueError("this armed session is closed; open a new one with tl.armed_session(...)")
+        return open_capture(self, step=step, root=root)
+
+    def flush(self, timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until this session's sinks took every closed window; False if ``timeout`` seconds passed first."""
+        return self.worker.flush(timeout)
+
+    def close(self, timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
+        """Flush (up to ``timeout``) and close the sinks; give back the signal handlers if this session held
+        them. True when every window reached the sinks. Closing twice is a no-op (True)."""
+        if self.closed:
+            return True
+        self.closed = True
+        _signals.unregister(self)
+        if not _signals.live:
+            atexit.unregister(_at_exit)
+        return self.worker.close(timeout)
 
 
 class Window:
@@ -129,6 +180,10 @@ class Window:
         sink = armed.shard_sink
         self.path = sink.path_for({"rank": armed.metadata["rank"], "step": self.step}) if sink else None
         self.thread = threading.get_ident()  # the thread that runs the window: its stack goes in post-mortems
+        self.telemetry: StepTelemetry | None = None
+        """The window's summary, computed once on close when the session asks for it (``summarize_on_close``)
+        and handed to every sink; None otherwise (the sink worker computes it)."""
+        self.telemetry_error: Exception | None = None
 
     def metadata(self, *, complete: bool, reason: str) -> dict[str, Any]:
         meta = dict(self.armed.metadata)
@@ -144,7 +199,7 @@ class Window:
         if exc is not None:
             meta["error"] = f"{type(exc).__name__}: {exc}"
             meta.update(traceback_stack(exc.__traceback__, until=_on_signal.__code__))
-            signum = _raised_in_signal_handler(exc)
+            signum = _signals.raised_in_signal_handler(exc)
             if signum is not None:  # the user's handler, chained after ours, raised: the signal ended it
                 meta["end_reason"] = signal.Signals(signum).name
         trace = capture.trace
@@ -164,12 +219,77 @@ class Window:
         if self.path is not None:
             trace.metadata["shard"] = str(self.path)
         capture.detach_from_training()
-        armed.worker.submit(trace, skip=skip)
+        if complete and armed.summarize_on_close:
+            try:
+                self.telemetry = summarize(trace, peak_flops=armed.peak_flops)
+            except Exception as summary_exc:  # noqa: BLE001 - the worker counts it when it tries again
+                self.telemetry_error = summary_exc
+        if self.telemetry is not None:
+            armed.worker.submit(trace, skip=skip, telemetry=self.telemetry)
+        else:
+            armed.worker.submit(trace, skip=skip)
 
 
 _state: Armed | None = None
 _last_stats: SinkStats | None = None
-_writing = threading.Lock()
+
+
+def _start(
+    out_dir: str | os.PathLike | None,
+    *,
+    every: int | None,
+    sinks: Any,
+    options: CaptureOptions,
+    shard: ShardOptions,
+    peak_flops: float | None = None,
+    summarize_on_close: bool = False,
+) -> Armed:
+    """Check the arguments, build the session, make its shard folder; not yet live (no handlers)."""
+    if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+        raise ValueError(
+            f"out_dir must be a str or os.PathLike folder (or None), got {type(out_dir).__name__}"
+        )
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"every must be a positive int (capture every N-th step) or None, got {every!r}")
+    check_options(options)
+    if not isinstance(shard, ShardOptions):
+        raise ValueError(f"shard must be a tl_dist.store.ShardOptions, got {type(shard).__name__}")
+    if peak_flops is not None and (
+        isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0
+    ):
+        raise ValueError(
+            f"peak_flops must be a positive number (FLOP/s of one device) or None, got {peak_flops!r}"
+        )
+    if not isinstance(summarize_on_close, bool):
+        raise ValueError(f"summarize_on_close must be a bool, got {summarize_on_close!r}")
+    sinks = check_sinks(sinks)
+    root = (out_dir if location.is_url(out_dir) else Path(out_dir)) if out_dir is not None else None
+    if isinstance(root, Path) and root.exists() and not root.is_dir():
+        raise ValueError(f"out_dir {str(root)!r} exists and is not a folder")
+    if isinstance(root, str):
+        location.check_writable(root)
+    if root is None and not sinks:
+        raise ValueError("arm needs out_dir (write shards) or sinks (consumers of windows), got neither")
+    state = Armed(
+        root,
+        options=options,
+        every=every,
+        sinks=sinks,
+        shard=shard,
+        peak_flops=peak_flops,
+        summarize_on_close=summarize_on_close,
+    )
+    if isinstance(state.rank_dir, Path):
+        state.rank_dir.mkdir(parents=True, exist_ok=True)
+    return state
+
+
+def _go_live(state: Armed) -> None:
+    """Signal handlers (first live session), compile watching, the exit hook."""
+    _signals.register(state)
+    watch_compiles()  # before the job compiles: its compiled regions then carry FLOPs and their ATen ops
+    atexit.unregister(_at_exit)  # once, and after the exit hooks registered before this session (LIFO)
+    atexit.register(_at_exit)
 
 
 def arm(
@@ -214,45 +334,65 @@ def arm(
         10
     """
     global _state
-    if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
-        raise ValueError(
-            f"out_dir must be a str or os.PathLike folder (or None), got {type(out_dir).__name__}"
-        )
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"every must be a positive int (capture every N-th step) or None, got {every!r}")
-    check_options(options)
-    if not isinstance(shard, ShardOptions):
-        raise ValueError(f"shard must be a tl_dist.store.ShardOptions, got {type(shard).__name__}")
-    sinks = check_sinks(sinks)
-    root = (out_dir if location.is_url(out_dir) else Path(out_dir)) if out_dir is not None else None
-    if isinstance(root, Path) and root.exists() and not root.is_dir():
-        raise ValueError(f"out_dir {str(root)!r} exists and is not a folder")
-    if isinstance(root, str):
-        location.check_writable(root)
-    if root is None and not sinks:
-        raise ValueError("arm needs out_dir (write shards) or sinks (consumers of windows), got neither")
+    state = _start(out_dir, every=every, sinks=sinks, options=options, shard=shard)
     if _state is not None:
         if (
             _state.out_dir is not None
-            and root is not None
-            and location.key(_state.out_dir) != location.key(root)
+            and state.out_dir is not None
+            and location.key(_state.out_dir) != location.key(state.out_dir)
         ):
             warnings.warn(
-                f"tl.arm({str(root)!r}): re-arming; windows now go to {str(root)!r} instead of "
-                f"{str(_state.out_dir)!r}",
+                f"tl.arm({str(state.out_dir)!r}): re-arming; windows now go to {str(state.out_dir)!r} instead "
+                f"of {str(_state.out_dir)!r}",
                 UserWarning,
                 stacklevel=2,
             )
         disarm()
-    state = Armed(root, options=options, every=every, sinks=sinks, shard=shard)
-    if isinstance(state.rank_dir, Path):
-        state.rank_dir.mkdir(parents=True, exist_ok=True)
-    _install_handlers(state)
-    watch_compiles()  # before the job compiles: its compiled regions then carry FLOPs and their ATen ops
-    atexit.register(_at_exit)
+    _go_live(state)
     _state = state
     _session.install(state)
     return state.rank_dir
+
+
+def armed_session(
+    out_dir: str | os.PathLike | None = None,
+    *,
+    sinks: Any = (),
+    options: CaptureOptions = _DEFAULT_OPTIONS,
+    shard: ShardOptions = _DEFAULT_SHARD,
+    peak_flops: float | None = None,
+    summarize_on_close: bool = False,
+) -> Armed:
+    """An armed session of its own, beside the process's ``tl.arm`` (which it neither reads nor replaces).
+
+    Only the session's own windows (:meth:`Armed.capture`) go to its sinks; plain ``tl.capture`` windows keep
+    going to ``tl.arm``'s. Post-mortems cover its windows as ``tl.arm``'s (one set of signal handlers serves
+    every session). Close it with :meth:`Armed.close`; interpreter exit closes it too.
+
+    Args:
+        out_dir, sinks, options, shard: as :func:`arm`.
+        peak_flops: peak FLOP/s of one device, for the windows' MFU when ``summarize_on_close``.
+        summarize_on_close: compute each window's :class:`tl_dist.telemetry.StepTelemetry` once, on the
+            closing thread, as ``window.telemetry`` (the caller reads it) and hand that same one to the sinks.
+
+    Example:
+        >>> session = tl.armed_session("runs/fit", summarize_on_close=True)
+        >>> with session.capture(step=0) as cap:
+        ...     model(x).sum().backward()
+        >>> cap.window.telemetry.flops
+        >>> session.close()
+    """
+    state = _start(
+        out_dir,
+        every=None,
+        sinks=sinks,
+        options=options,
+        shard=shard,
+        peak_flops=peak_flops,
+        summarize_on_close=summarize_on_close,
+    )
+    _go_live(state)
+    return state
 
 
 def disarm(timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
@@ -272,15 +412,7 @@ def disarm(timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
         return True
     _state = None
     _session.install(None)
-    atexit.unregister(_at_exit)
-    for signum, previous in state.previous_handlers.items():
-        if signal.getsignal(signum) is _on_signal:
-            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-        # else: someone installed a handler after us; leave theirs in place (it may chain to ours, a no-op
-        # once disarmed).
-    if state.watcher is not None:
-        state.watcher.close()
-    delivered = state.worker.close(timeout)
+    delivered = state.close(timeout)
     _last_stats = state.worker.stats
     return delivered
 
@@ -299,7 +431,7 @@ def flush(timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
         >>> tl.flush(); tl.load("runs/x/rank00000/step00000003.h5")
     """
     state = _state
-    return True if state is None else state.worker.flush(timeout)
+    return True if state is None else state.flush(timeout)
 
 
 def sink_stats() -> SinkStats:
@@ -333,213 +465,7 @@ def should_capture(step: int) -> bool:
     return state.every is None or step % state.every == 0
 
 
-# -- post-mortem --------------------------------------------------------------------------------------------
-def write_postmortem(reason: str, frame: Any = None) -> Path | None:
-    """Write the open armed window's partial trace as an incomplete shard; None when no window is open.
-
-    Called from the signal handlers and at exit; usable directly (e.g. from a watchdog) to leave evidence of
-    a hang. The window's shard name is used, so a window that later closes normally overwrites it.
-    """
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    state = _state
-    if state is None or not ACTIVE or state.shard_sink is None:
-        return None
-    cap = ACTIVE[-1]
-    window = cap.window
-    if window is None:
-        return None
-    if frame is None or threading.get_ident() != window.thread:
-        # From the watcher thread (or a handler on another thread): the window's thread's stack tells which
-        # op it is stuck in.
-        frame = sys._current_frames().get(window.thread)
-    if not _writing.acquire(blocking=False):
-        return None  # a second signal while writing: the first write wins
-    try:
-        # The dispatch mode may still be active (we interrupted the window): the writer's own tensor ops
-        # must not be recorded into the trace being written.
-        with _disable_current_modes():
-            trace = cap.snapshot(frame)
-            if trace is None:
-                return None
-            meta = window.metadata(complete=False, reason=reason)
-            meta.update(frame_stack(frame))
-            trace.metadata.update(meta)
-            return state.shard_sink.write(trace, complete=False, timeout=SIGNAL_FLUSH_S)
-    except Exception as exc:  # noqa: BLE001 - never raise out of a signal handler or atexit
-        print(f"tl_dist: could not write post-mortem shard {window.path}: {exc}", file=sys.stderr)
-        return None
-    finally:
-        _writing.release()
-
-
-def _raised_in_signal_handler(exc: BaseException) -> int | None:
-    """The signal whose handler chain (ours, then the one we chained to) raised ``exc``, if it did."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is _on_signal.__code__:
-            return tb.tb_frame.f_locals.get("signum")
-        tb = tb.tb_next
-    return None
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    state = _state
-    name = signal.Signals(signum).name
-    write_postmortem(name, frame)
-    if state is not None and state.watcher is not None:
-        state.watcher.handled(signum)
-    previous = state.previous_handlers.get(signum) if state is not None else signal.SIG_DFL
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_IGN:
-        return
-    elif signum == getattr(signal, "SIGUSR1", None):
-        # SIGUSR1 is the "dump now" request: its default action (terminate) is not taken.
-        return
-    else:
-        # Default disposition (or one installed outside Python): re-deliver with it, so SIGTERM terminates --
-        # after the sinks took the windows already closed (bounded: the scheduler's kill grace is short).
-        if state is not None:
-            state.worker.flush(SIGNAL_FLUSH_S)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-def _install_handlers(state: Armed) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        warnings.warn(
-            "tl.arm() called outside the main thread: no SIGTERM/SIGUSR1 post-mortem handlers installed",
-            stacklevel=3,
-        )
-        return
-    for signum in _SIGNALS:
-        state.previous_handlers[signum] = signal.getsignal(signum)
-        signal.signal(signum, _on_signal)
-    state.watcher = _SignalWatcher.start(state)
-
-
-class _SignalWatcher:
-    """Writes the post-mortem from a helper thread when the main thread cannot run Python handlers.
-
-    Python runs signal handlers in the main thread between bytecodes; a rank blocked in a C++ call (a
-    collective whose peer hung or died) would run ours only when that call returns -- possibly never. The C
-    signal trampoline also writes the signal number to ``signal.set_wakeup_fd``'s pipe at once; this thread
-    reads it and, if the main thread's handler has not run within ``GRACE_S``, writes the post-mortem itself,
-    then gives SIGTERM its default action (terminate) when that was the previous disposition.
-    """
-
-    GRACE_S = 2.0
-    WRITE_TIMEOUT_S = 60.0
-
-    def __init__(self, state: Armed, read_fd: int, write_fd: int) -> None:
-        self._state = state
-        self._read_fd = read_fd
-        self._write_fd = write_fd
-        self._cond = threading.Condition()
-        self._handled = dict.fromkeys(_SIGNALS, 0)
-        self._thread = threading.Thread(target=self._run, name="tl_dist-signal-watcher", daemon=True)
-
-    @classmethod
-    def start(cls, state: Armed) -> _SignalWatcher | None:
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        if previous != -1:
-            # Someone (an asyncio loop) owns the wakeup fd: leave it to them, main-thread handlers only.
-            signal.set_wakeup_fd(previous)
-            os.close(read_fd)
-            os.close(write_fd)
-            return None
-        watcher = cls(state, read_fd, write_fd)
-        watcher._thread.start()
-        return watcher
-
-    def handled(self, signum: int) -> None:
-        with self._cond:
-            self._handled[signum] = self._handled.get(signum, 0) + 1
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        received = dict.fromkeys(_SIGNALS, 0)
-        while True:
-            try:
-                data = os.read(self._read_fd, 64)
-            except OSError:
-                return
-            if not data:
-                return  # closed by disarm
-            for signum in data:
-                if signum not in received:
-                    continue
-                received[signum] += 1
-                with self._cond:
-                    done = self._cond.wait_for(
-                        lambda s=signum: self._handled[s] >= received[s], timeout=self.GRACE_S
-                    )
-                if done or _state is not self._state:
-                    continue
-                # In a helper thread with a deadline: on CUDA the snapshot synchronises the device, which a hung
-                # NCCL kernel can block forever; SIGTERM must end the process all the same.
-                writer = threading.Thread(
-                    target=write_postmortem, args=(signal.Signals(signum).name,), daemon=True
-                )
-                writer.start()
-                writer.join(timeout=self.WRITE_TIMEOUT_S)
-                previous = self._state.previous_handlers.get(signum)
-                if signum == signal.SIGTERM and previous in (signal.SIG_DFL, None):
-                    self._state.worker.flush(SIGNAL_FLUSH_S)
-                    _die_by_default(signum)
-
-    def close(self) -> None:
-        try:
-            signal.set_wakeup_fd(-1)
-        except ValueError:
-            pass  # not the main thread
-        os.close(self._write_fd)  # the thread reads EOF and ends
-        self._thread.join(timeout=5)
-        os.close(self._read_fd)
-
-    def forget_in_child(self) -> None:
-        """After fork: the child has no watcher thread, and its signals must not wake the parent's."""
-        try:
-            signal.set_wakeup_fd(-1)
-        except ValueError:
-            pass
-        for fd in (self._read_fd, self._write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _after_fork_in_child() -> None:
-    # A forked worker (DataLoader) inherits the wakeup pipe: a SIGTERM sent to the worker at shutdown would
-    # otherwise reach the parent's watcher and be taken for the parent's own.
-    state = _state
-    if state is not None and state.watcher is not None:
-        state.watcher.forget_in_child()
-        state.watcher = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _die_by_default(signum: int) -> None:
-    """From a non-main thread: reset ``signum`` to its default action in C (Python's ``signal.signal`` works in
-    the main thread only) and re-raise it, so the process ends as the signal would have ended it."""
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    libc.signal(signum, None)  # SIG_DFL is 0
-    os.kill(os.getpid(), signum)
-
-
 def _at_exit() -> None:
     write_postmortem("atexit")
-    state = _state
-    if state is not None:  # the windows already closed reach the sinks; then the sinks close
+    for state in list(_signals.live):  # the windows already closed reach the sinks; then the sinks close
         state.worker.close(FLUSH_TIMEOUT_S)

@@ -380,10 +380,6 @@ def capture(
         ...     model(x).sum().backward()
         >>> cap.trace.to_pandas()
     """
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-    if root is not None and not isinstance(root, torch.nn.Module):
-        raise ValueError(f"root must be a torch.nn.Module or None, got {type(root).__name__}")
     session = _session.current()
     keywords = {
         "save": save,
@@ -393,6 +389,7 @@ def capture(
         "keep_graph": keep_graph,
         "intervene": intervene,
     }
+    _check_window(step, root)
     opts = resolve_options(options, keywords, session.options if session is not None else CaptureOptions())
     if session is None and step is not None:
         warnings.warn(
@@ -401,6 +398,26 @@ def capture(
             UserWarning,
             stacklevel=2,
         )
+    return _open(session, opts, step, root)
+
+
+def open_capture(session: _session.Session, *, step: int | None, root: torch.nn.Module | None) -> Capture:
+    """A capture window of ``session`` (not the process's ``tl.arm`` session), recording its options; the
+    window hands its trace to that session when it closes (``tl.armed_session(...).capture``)."""
+    _check_window(step, root)
+    return _open(session, session.options, step, root)
+
+
+def _check_window(step: Any, root: Any) -> None:
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    if root is not None and not isinstance(root, torch.nn.Module):
+        raise ValueError(f"root must be a torch.nn.Module or None, got {type(root).__name__}")
+
+
+def _open(
+    session: _session.Session | None, opts: CaptureOptions, step: int | None, root: torch.nn.Module | None
+) -> Capture:
     cap = Capture(opts, roots=[("", root)] if root is not None else None)
     cap._window = session.open_window(step) if session is not None else None
     return cap

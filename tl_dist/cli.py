@@ -26,6 +26,7 @@ from typing import Any
 from .errors import ShardFormatError, TlDistError
 from .merge import load_merged, merge_ranks
 from .merge.dask_engine import DaskEngine
+from .pipeline import finish_run
 from .schema import PHASES
 from .store import file_kind, load, location
 from .views.draw import DrawNote
@@ -186,11 +187,13 @@ def _version() -> str:
 def _run(args: argparse.Namespace, target: Any) -> None:
     """Carry out ``args.command`` on a MergedTrace or (one shard) a Trace."""
     if args.command == "merge":
+        # The end-of-run pipeline the Lightning callback runs too; the CLI reports on stdout itself.
+        outputs = finish_run(target, merged=args.output or None, logger=None)
         print(repr(target))
-        for f in getattr(target, "findings", ()):
+        for f in target.findings:
             print(f"  {'' if f.primary else '(consequence) '}{f}")
-        if args.output:
-            print(f"wrote {target.save(args.output)}")
+        for path in outputs.written:
+            print(f"wrote {path}")
     elif args.command == "summary":
         print(target.summary())
     elif args.command == "draw":

@@ -168,8 +168,11 @@ class SinkWorker:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
-    def submit(self, trace: Trace, *, skip: tuple[Sink, ...] = ()) -> None:
-        """Queue ``trace`` for every sink but those in ``skip``; never blocks (a full queue drops the oldest)."""
+    def submit(
+        self, trace: Trace, *, skip: tuple[Sink, ...] = (), telemetry: StepTelemetry | None = None
+    ) -> None:
+        """Queue ``trace`` for every sink but those in ``skip``; never blocks (a full queue drops the oldest).
+        ``telemetry``: the window's summary when the caller computed it already (else the worker does, once)."""
         if not self.sinks:
             return
         getting = [s for s in self.sinks if not any(s is k for k in skip)]
@@ -185,7 +188,7 @@ class SinkWorker:
             while queue and (len(queue) >= self.max_queued or stats.queued_bytes + size > self.max_bytes):
                 stats.queued_bytes -= queue.popleft()[2]
                 stats.dropped += 1
-            queue.append((trace, skip, size))
+            queue.append((trace, skip, size, telemetry))
             stats.queued_bytes += size
             stats.submitted += 1
             stats.pending = len(queue) + self._busy
@@ -238,16 +241,16 @@ class SinkWorker:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
-                trace, skip, size = self._queue.popleft()
+                trace, skip, size, telemetry = self._queue.popleft()
                 self.stats.queued_bytes -= size
                 self._busy = True
             started = time.perf_counter()
             try:
-                try:
-                    telemetry = summarize(trace)
-                except Exception as exc:  # noqa: BLE001
-                    telemetry = None
-                    self._failed(None, exc, "summarize")
+                if telemetry is None:
+                    try:
+                        telemetry = summarize(trace)
+                    except Exception as exc:  # noqa: BLE001
+                        self._failed(None, exc, "summarize")
                 bare = trace.without_tensors() if self._tensor_free else trace
                 for sink in self.sinks:
                     if any(sink is s for s in skip):
