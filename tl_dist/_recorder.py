@@ -123,8 +123,11 @@ class Recorder:
         self.edits: Any = None  # tl_dist._intervene.Interventions while a window has op-site edits
         self.output_of: dict[int, list[str]] = {}
         self._storage_refs: dict[int, list[tuple[int, int, int]]] = {}
-        # storage -> (op, first byte, end byte) of each in-place write into it
+        # storage address -> (op, first byte, end byte) of each in-place write into it, and a weak reference to
+        # the storage those writes went to: the caching allocator hands a freed buffer's address to the next
+        # tensor, and writes into the dead storage say nothing about the new one's value.
         self._writes: dict[int, list[tuple[int, int, int]]] = {}
+        self._written_storage: dict[int, weakref.ref] = {}
         self._last_write = -1  # index of the latest in-place op
         self._label_counts: dict[str, int] = {}
         self.modules = ModuleTracker(self, roots)
@@ -382,12 +385,18 @@ class Recorder:
             lo, hi = _byte_extent(t)
             key = storage_key(t)
             if hi > lo and key is not None:
-                self._writes.setdefault(key, []).append((index, lo, hi))
+                storage = t.untyped_storage()
+                owner = self._written_storage.get(key)
+                if owner is None or owner() is not storage:
+                    self._written_storage[key] = weakref.ref(storage)
+                    self._writes[key] = []
+                self._writes[key].append((index, lo, hi))
 
     def _written_since(self, t: Tensor, since: int) -> int:
         """The latest op after op ``since`` that wrote in place into memory ``t`` covers; -1 if none."""
-        entries = self._writes.get(storage_key(t))
-        if not entries or entries[-1][0] <= since:
+        key = storage_key(t)
+        entries = self._writes.get(key)
+        if not entries or entries[-1][0] <= since or self._written_storage[key]() is not t.untyped_storage():
             return -1
         lo, hi = _byte_extent(t)
         for index, wlo, whi in reversed(entries):
