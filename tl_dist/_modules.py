@@ -66,7 +66,7 @@ def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
 
 
 if TYPE_CHECKING:
-    from ._recorder import Recorder
+    from ._recorder_state import RecorderState
 
 
 def _hidden_from_dynamo(*functions: Any) -> None:
@@ -85,7 +85,7 @@ def _hidden_from_dynamo(*functions: Any) -> None:
 class ModuleTracker:
     """Keeps the stack of module calls and their table; names modules from the roots it is given or finds."""
 
-    def __init__(self, recorder: Recorder, roots: list[tuple[str, torch.nn.Module]]) -> None:
+    def __init__(self, recorder: RecorderState, roots: list[tuple[str, torch.nn.Module]]) -> None:
         self._recorder = weakref.proxy(recorder)  # the recorder owns this tracker: no reference cycle
         self.names: dict[int, str] = {}
         self.params: dict[int, str] = {}

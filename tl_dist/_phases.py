@@ -29,7 +29,7 @@ from ._common import TORCH_DIR
 from .schema import PHASES  # noqa: F401 (old path)
 
 if TYPE_CHECKING:
-    from ._recorder import Recorder
+    from ._recorder_state import RecorderState
 
 # Ops whose phase needs a second look (the recorder checks `func in SPECIAL` before calling `special`).
 SPECIAL = frozenset(
@@ -51,7 +51,7 @@ _get_ident = threading.get_ident
 class PhaseTracker:
     """Phase bookkeeping of one capture (owned by its Recorder): optimizer hooks and the special cases above."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: RecorderState) -> None:
         self.rec = weakref.proxy(recorder)  # the recorder owns this tracker: no reference cycle
         self.thread = _get_ident()
         # One entry per open profiler region: the phase to restore at its exit, or None (not an optimizer's).

@@ -36,7 +36,7 @@ from .schema import OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .trace import first_nonfinite, nonfinite_value, op_stats  # noqa: F401 (moved to trace; old path)
 
 if TYPE_CHECKING:
-    from ._recorder import Recorder
+    from ._recorder_state import RecorderState
 
 Tensor = torch.Tensor
 _KEY = "_tl_src"  # key in an autograd node's metadata: (capture token, forward op index)
@@ -189,7 +189,7 @@ def finish_stats(raw: list[float]) -> list[float | int]:
 class TrainingState:
     """Phase hooks, backward links, gradient hooks and statistics of one capture (owned by its Recorder)."""
 
-    def __init__(self, recorder: Recorder, *, save_grads: Any, stats: Any) -> None:
+    def __init__(self, recorder: RecorderState, *, save_grads: Any, stats: Any) -> None:
         self.rec = weakref.proxy(recorder)  # the recorder owns this state: no reference cycle
         self.grads_all = save_grads is True
         self.grads_selector = None if save_grads is True or save_grads is None else save_grads

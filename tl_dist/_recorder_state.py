@@ -1,0 +1,40 @@
+"""What the recorder's helpers read and write on the recorder that owns them.
+
+The module tracker (``_modules``), the phase tracker (``_phases``) and the training state (``training``) are
+owned by a ``Recorder`` (``_recorder``), which imports them. They see their owner through these protocols, so
+that none of them imports the recorder back (no import cycle, not even a type-only one).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ._source import SourceLocator
+
+
+class ModuleState(Protocol):
+    """The part of the module tracker the training state reads."""
+
+    params: dict[int, str]  # id(parameter or buffer) -> its qualified name
+
+    def live_modules(self) -> list[torch.nn.Module]: ...
+
+
+class RecorderState(Protocol):
+    """The recorder as its helpers see it: the rows so far, the phase, and the few calls they make back."""
+
+    token: int  # this capture's tag on the tensors it made
+    n_ops: int
+    phase: str
+    step_source: str | None  # where the running optimizer.step() was called
+    rows: list[tuple]
+    pending: tuple[int, list[torch.Tensor]] | None  # the last op's index and outputs, until the next op
+    output_of: dict[int, list[str]]  # op index -> modules whose output it produced
+    locate: SourceLocator | None
+    modules: ModuleState
+
+    def watch(self, t: torch.Tensor, entry: tuple[int, int, int]) -> None: ...
+
+    def module_output(self, address: str, leaves: list) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
