@@ -7,7 +7,7 @@ min):
 1. ``every=50``: the loop armed with the shard writer and OtelSink against the same loop unarmed.
    Target <= 1.01x.
 2. ``every=1``: the loop armed with OtelSink against the loop armed with a sink that does nothing -- what the
-   export adds beyond the window itself (it runs on the sink worker thread). Target <= 1.02x. (The shard
+   export adds beyond the window itself (it runs on the sink worker thread). Target <= 1.05x (issue 23). (The shard
    writer is left out of both: at every=1 it keeps the worker busy all the time on its own.)
 3. ``OtelSink.on_window`` of one window of that model on its own (worker-thread time per window), split
    into spans and metrics.
@@ -204,7 +204,7 @@ def main() -> None:
                 {"every": 1, "otel": False, "shards": False},
                 args.rounds,
                 30,
-                1.02,
+                1.05,
                 model,
                 x,
             )
