@@ -220,9 +220,9 @@ class Recorder:
         try:
             if subclass:
                 with self.subclass_mode:
-                    out = func(*args, **kwargs)
+                    out = info.call(*args, **kwargs)
             else:
-                out = func(*args, **kwargs)
+                out = info.call(*args, **kwargs)
         except BaseException as exc:
             if not (subclass and self.failed_op is not None):  # else a collective inside it failed: keep that
                 self._record_failure(info, exc)
