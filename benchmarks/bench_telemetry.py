@@ -7,8 +7,8 @@ Everything is measured in this process, interleaved, and printed as ratios to th
 1. Step (forward + backward + SGD) of the ResNet-18-like model and the 4-layer transformer, modes rotated
    within each round: ``plain``; ``floor`` (a pass-through TorchDispatchMode, without torch's per-op Dynamo
    wrapper as tl_dist's mode: the least any dispatcher-level tracer costs); ``window`` (``tl.capture()``:
-   per-op timing, FLOPs, phases, modules; nothing saved); ``stats`` (``tl.capture(stats=True)``: the same plus each output's statistics); ``profiler``
-   (``torch.profiler`` with ``record_shapes=True, with_flops=True`` plus ``key_averages()``).
+   per-op timing, FLOPs, phases, modules; nothing saved); ``stats`` (``tl.capture(stats=True)``: the same plus
+   each output's statistics); ``profiler`` (``torch.profiler`` with ``record_shapes=True, with_flops=True`` plus ``key_averages()``).
    Targets: window <= 1.05x of the floor, and below the profiler; stats <= 1.5x the window.
 2. A training loop armed with the shard writer, ``every=50``, against the same loop unarmed, loops alternated:
    target <= 1.01x.
