@@ -16,7 +16,7 @@ min):
 The collector is a separate process answering every POST with 200 (as a real one would, off this process's
 GIL); the metric reader exports every 5 s (the SDK's default is 60 s), so the loops include exports.
 
-Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_otel.py [--rounds 7] [--part 1 2 3]``
+Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_otel.py [--rounds 7] [--part 1 2 3] [--spans none]``
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ def start_collector() -> subprocess.Popen:
     return proc
 
 
+SPANS: str | None = "module"  # OtelSink's spans= in parts 1 and 2 (--spans)
+
+
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
@@ -97,7 +100,7 @@ def loop(
     opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
     if every is not None:
         out = tempfile.mkdtemp(prefix="tl_bench_") if shards else None
-        tl.arm(out, every=every, sinks=[OtelSink() if otel else NullSink()])
+        tl.arm(out, every=every, sinks=[OtelSink(spans=SPANS) if otel else NullSink()])
     t0, c0 = time.perf_counter(), time.process_time()
     for s in range(steps):
         if every is not None and tl.should_capture(s):
@@ -206,7 +209,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--part", type=int, nargs="*", default=[1, 2, 3])
+    parser.add_argument(
+        "--spans", choices=["module", "none"], default="module", help="OtelSink's spans= in parts 1-2"
+    )
     args = parser.parse_args()
+    global SPANS
+    SPANS = None if args.spans == "none" else args.spans
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model, x = make_model(), torch.randn(4, 64, 128)
     collector = start_collector()
