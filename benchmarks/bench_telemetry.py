@@ -5,10 +5,10 @@ Everything is measured in this process, interleaved, and printed as ratios to th
 (medians over rounds, and the min):
 
 1. Step (forward + backward + SGD) of the ResNet-18-like model and the 4-layer transformer, modes rotated
-   within each round: ``plain``; ``floor`` (a pass-through TorchDispatchMode: the least any dispatcher-level
-   tracer costs); ``window`` (``tl.capture()``: per-op timing, FLOPs, phases, modules; nothing saved);
-   ``stats`` (``tl.capture(stats=True)``: the same plus each output's statistics); ``profiler``
-   (``torch.profiler`` with ``record_shapes=True, with_flops=True`` plus ``key_averages()``).
+   within each round: ``plain``; ``floor`` (a pass-through TorchDispatchMode, without torch's per-op Dynamo
+   wrapper as tl_dist's mode: the least any dispatcher-level tracer costs); ``window`` (``tl.capture()``:
+   per-op timing, FLOPs, phases, modules; nothing saved); ``stats`` (``tl.capture(stats=True)``: the same plus
+   each output's statistics); ``profiler`` (``torch.profiler`` with ``record_shapes=True, with_flops=True`` plus ``key_averages()``).
    Targets: window <= 1.05x of the floor, and below the profiler; stats <= 1.5x the window.
 2. A training loop armed with the shard writer, ``every=50``, against the same loop unarmed, loops alternated:
    target <= 1.01x.
@@ -48,6 +48,12 @@ import tl_dist as tl  # noqa: E402
 
 
 class PassThrough(TorchDispatchMode):
+    # Without torch's per-op torch._disable_dynamo wrapper, as tl_dist's own mode (~1 us an op less): the least
+    # a dispatcher-level tracer costs.
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         return func(*args, **(kwargs or {}))
 

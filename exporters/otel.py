@@ -2,9 +2,9 @@
 
 Each window becomes spans (``tl.step``, module calls to ``module_depth`` in forward and backward, collectives,
 ops with ``spans="op"``) carrying the times the trace recorded, and metrics with fixed names
-(``tl.step.duration``, ``tl.op.duration``, ``tl.module.duration``, ``tl.collective.duration``,
-``tl.step.flops``, ``tl.collective.bytes``, ``tl.nonfinite``, ``tl.step.flops_per_second``, ``tl.step.mfu``,
-``tl.collective.busbw``, ``tl.tensor.norm``), every point with ``tl.rank``. docs/telemetry.md lists them all.
+(``tl.step.duration``, ``tl.op.time``, ``tl.op.calls``, ``tl.op.flops``, ``tl.module.duration``,
+``tl.collective.duration``, ``tl.step.flops``, ``tl.collective.bytes``, ``tl.nonfinite``,
+``tl.step.flops_per_second``, ``tl.step.mfu``, ``tl.collective.busbw``, ``tl.tensor.norm``), every point with ``tl.rank``. docs/telemetry.md lists them all.
 
 Example:
     >>> from tl_dist.exporters.otel import OtelSink, start_prometheus

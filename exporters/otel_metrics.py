@@ -27,7 +27,17 @@ DURATION_BUCKETS_S: tuple[float, ...] = tuple(float(f"{m}e{e}") for e in range(-
 # name -> (kind, unit, description); the one list the instruments and the docs table come from.
 INSTRUMENTS: dict[str, tuple[str, str, str]] = {
     "tl.step.duration": ("histogram", "s", "Wall-clock time of a captured window (a training step)."),
-    "tl.op.duration": ("histogram", "s", "Duration of each op, by op func and phase."),
+    "tl.op.time": (
+        "counter",
+        "s",
+        "Summed duration of the ops of each op func and phase (one add per window and series).",
+    ),
+    "tl.op.calls": ("counter", "{call}", "Number of ops of each op func and phase."),
+    "tl.op.flops": (
+        "counter",
+        "{flop}",
+        "FLOPs of the ops of each op func and phase (funcs with FLOPs only).",
+    ),
     "tl.module.duration": (
         "histogram",
         "s",
@@ -101,10 +111,9 @@ class WindowMetrics:
             self.instruments[name] = inst
         self._rank: int | None = None
         self._attrs: dict[tuple, dict[str, Any]] = {}
-        self._op_attrs: dict[tuple[str, str], dict[str, Any]] = {}
 
     def _attributes(self, key: tuple, **attrs: Any) -> dict[str, Any]:
-        """One attribute dict per key, reused across windows (the per-op histogram records thousands)."""
+        """One attribute dict per key, reused across windows."""
         found = self._attrs.get(key)
         if found is None:
             found = self._attrs[key] = {**attrs, "tl.rank": self._rank}
@@ -124,12 +133,12 @@ class WindowMetrics:
     def record(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
         rank = int(trace.metadata.get("rank", 0))
         if rank != self._rank:
-            self._rank, self._attrs, self._op_attrs = rank, {}, {}
+            self._rank, self._attrs = rank, {}
         inst = self.instruments
-        self._record_ops(trace)
         self._record_collectives(trace)
-        if telemetry is None:  # summarising failed (logged by the worker): the per-op metrics still go out
+        if telemetry is None:  # summarising failed (logged by the worker): only collective durations go out
             return
+        self._record_funcs(telemetry)
         rank_only = self._attributes(("rank",))
         inst["tl.step.duration"].record(telemetry.wall_ns * 1e-9, rank_only)
         inst["tl.step.flops_per_second"].set(telemetry.flops_per_second, rank_only)
@@ -178,16 +187,23 @@ class WindowMetrics:
                 row.norm, self._attributes(("norm", label, row.of), **{"tl.module": label, "tl.of": row.of})
             )
 
-    def _record_ops(self, trace: Trace) -> None:
-        cols = trace.columns
-        record = self.instruments["tl.op.duration"].record
-        attrs = self._op_attrs
-        rank = self._rank
-        for func, phase, dur in zip(cols["func"], cols["phase"], cols["duration_ns"]):
-            a = attrs.get((func, phase))
-            if a is None:
-                a = attrs[(func, phase)] = {"tl.op.func": func, "tl.phase": phase, "tl.rank": rank}
-            record(dur * 1e-9, a)
+    def _record_funcs(self, telemetry: StepTelemetry) -> None:
+        """Per (op func, phase), from the window's summary: one add per series and window, never one per op
+        (the SDK takes ~10 µs a measurement: a per-op histogram cost more than the rest of the export)."""
+        inst = self.instruments
+        add_time, add_calls, add_flops = (
+            inst["tl.op.time"].add,
+            inst["tl.op.calls"].add,
+            inst["tl.op.flops"].add,
+        )
+        for row in telemetry.funcs:
+            attrs = self._attributes(
+                ("func", row.func, row.phase), **{"tl.op.func": row.func, "tl.phase": row.phase}
+            )
+            add_time(row.duration_ns * 1e-9, attrs)
+            add_calls(row.count, attrs)
+            if row.flops:
+                add_flops(row.flops, attrs)
 
     def _record_collectives(self, trace: Trace) -> None:
         table = trace.collective_table

@@ -310,3 +310,55 @@ def test_ddp_compiled_job_on_two_ranks(tmp_path):
     assert torch.equal(results[0]["grad"], results[1]["grad"])  # the all-reduced gradients agree
     merged = tl.merge_ranks(tmp_path / "run")
     assert merged.findings == []
+
+
+WINDOW_WITHOUT_DYNAMO = r"""
+import contextlib, io, sys, torch
+import tl_dist as tl
+
+m = torch.nn.Linear(4, 2)
+with tl.capture() as cap:
+    m(torch.randn(3, 4)).sum().backward()
+assert len(cap.trace) > 0
+print("imported" if "torch._dynamo" in sys.modules else "not imported")
+from torch._dynamo.utils import counters
+
+def make():  # a new code object each time: Dynamo caches compiled frames by code object
+    namespace = {}
+    exec(
+        "def g(x):\n"
+        "    y = x * 2\n"
+        "    print(y)\n"  # a graph break: eager ops (printing) run with Dynamo's frame callback on
+        "    return y.relu()\n",
+        namespace,
+    )
+    return torch.compile(namespace["g"], backend="eager")
+
+x = torch.randn(3)
+with contextlib.redirect_stdout(io.StringIO()):
+    make()(x)  # the first compile also meets torch's own frames (printing)
+    before = counters["frames"]["total"]
+    make()(x)
+    outside = counters["frames"]["total"] - before
+    with tl.capture() as cap:
+        make()(x)
+print(outside, counters["frames"]["total"] - before - outside, cap.trace.columns["func"][-2:])
+"""
+
+
+def test_a_window_neither_imports_dynamo_nor_is_compiled_by_it():
+    # The capture's dispatch mode opts out of torch's per-op torch._disable_dynamo wrapper (which imports
+    # Dynamo, ~1.5 s, at a process's first window); its code is marked for Dynamo to skip instead. A fresh
+    # process, so that nothing imported Dynamo before.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", WINDOW_WITHOUT_DYNAMO], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported, counts = done.stdout.strip().splitlines()
+    assert imported == "not imported"
+    outside, inside, last = counts.split(" ", 2)
+    assert int(inside) == int(outside) > 0  # the same frames compiled in a window as outside: none of ours
+    assert last == "['mul', 'relu']"  # the compiled function's ops after the break (eager backend)

@@ -215,11 +215,11 @@ def test_every_query_names_metrics_and_labels_the_exporter_serves(job):
                     assert m.value in values, f"{where}: {sel.name}{{{m.name}={m.value!r}}} never exported"
         for label in grouping_labels(interpolate(expr)) | set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)):
             assert label in query_labels, f"{where}: label {label!r} is on none of the query's metrics"
-    # The panels: step time, FLOP/s, MFU, phases, modules, op durations, collectives, norms, non-finite.
+    # The panels: step time, FLOP/s, MFU, phases, modules, op time and calls, collectives, norms, non-finite.
     assert named == {
         "tl_step_duration_seconds_count", "tl_step_duration_seconds_sum", "tl_step_flops_per_second",
-        "tl_step_mfu", "tl_op_duration_seconds_sum", "tl_op_duration_seconds_count",
-        "tl_op_duration_seconds_bucket", "tl_module_duration_seconds_sum", "tl_module_duration_seconds_count",
+        "tl_step_mfu", "tl_op_time_seconds_total", "tl_op_calls_total",
+        "tl_module_duration_seconds_sum", "tl_module_duration_seconds_count",
         "tl_collective_duration_seconds_sum", "tl_collective_duration_seconds_count",
         "tl_collective_duration_seconds_bucket", "tl_collective_busbw_bytes_per_second",
         "tl_collective_bytes_total", "tl_tensor_norm", "tl_nonfinite_total", "target_info",
@@ -474,6 +474,9 @@ def test_prometheus_evaluates_every_query_to_the_windows_numbers(job, tmp_path):
     ops = results["panel 'Slowest op funcs' B"]
     # Two addmm a window: Block's Linear and the Linear.
     assert value(ops, tl_op_func="addmm", tl_phase="forward") == pytest.approx(2)
+    seconds = results["panel 'Slowest op funcs' A"]
+    expected = sum(op_ns(t, func="addmm", phase="forward") for t in seen) / 3e9
+    assert value(seconds, tl_op_func="addmm", tl_phase="forward") == pytest.approx(expected, rel=1e-6)
     assert value(results["panel 'Captured windows' A"]) == 4
     assert value(results["panel 'Ranks reporting' A"]) == 1
     # Two NaN outputs per window (the log, the loss summing it), four windows.

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings(C10D_NO_AUTOGRAD)
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------
-def test_flops_counter_and_op_histogram_counts():
+def test_flops_counter_and_per_func_op_counters():
     mem = InMemory()
     tl.arm(sinks=[mem.sink])
     trace = train_window(make_model(), torch.randn(3, 4))
@@ -44,32 +44,31 @@ def test_flops_counter_and_op_histogram_counts():
     assert mem.point("tl.step.flops", tl_phase="optimizer").value == 0
     assert sum(trace.columns["flops"]) == 240 + 384
 
-    # One histogram point per op, by (func, phase): 3 addmm and 2 relu forward, 5 mm and 2 threshold_backward.
-    assert mem.point("tl.op.duration", tl_op_func="addmm", tl_phase="forward").count == 3
-    assert mem.point("tl.op.duration", tl_op_func="relu", tl_phase="forward").count == 2
-    assert mem.point("tl.op.duration", tl_op_func="mm", tl_phase="backward").count == 5
-    assert mem.point("tl.op.duration", tl_op_func="threshold_backward", tl_phase="backward").count == 2
+    # Per (func, phase), one add per window: 3 addmm and 2 relu forward, 5 mm and 2 threshold_backward.
+    assert mem.point("tl.op.calls", tl_op_func="addmm", tl_phase="forward").value == 3
+    assert mem.point("tl.op.calls", tl_op_func="relu", tl_phase="forward").value == 2
+    assert mem.point("tl.op.calls", tl_op_func="mm", tl_phase="backward").value == 5
+    assert mem.point("tl.op.calls", tl_op_func="threshold_backward", tl_phase="backward").value == 2
     cols = trace.columns
     expected = collections.Counter(zip(cols["func"], cols["phase"]))
-    got = {(a["tl.op.func"], a["tl.phase"]): p.count for a, p in mem.metrics()["tl.op.duration"]}
+    got = {(a["tl.op.func"], a["tl.phase"]): p.value for a, p in mem.metrics()["tl.op.calls"]}
     assert got == dict(expected)
-    addmm = mem.point("tl.op.duration", tl_op_func="addmm", tl_phase="forward")
-    addmm_ns = [d for f, d in zip(cols["func"], cols["duration_ns"]) if f == "addmm"]
-    assert addmm.sum == pytest.approx(sum(addmm_ns) / 1e9, rel=1e-12)
-    assert addmm.explicit_bounds == (
-        1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
-        0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100,
-    )  # fmt: skip
-    # Each op in the bucket its duration says (le boundaries, inclusive).
-    bounds = addmm.explicit_bounds
-    assert list(addmm.bucket_counts) == [
-        sum(
-            1
-            for d in addmm_ns
-            if (k == 0 or d / 1e9 > bounds[k - 1]) and (k == len(bounds) or d / 1e9 <= bounds[k])
-        )
-        for k in range(len(bounds) + 1)
-    ]
+    # Summed seconds per (func, phase): the trace's own durations, summed here.
+    seconds = collections.Counter()
+    for f, ph, d in zip(cols["func"], cols["phase"], cols["duration_ns"]):
+        seconds[f, ph] += d
+    got = {(a["tl.op.func"], a["tl.phase"]): p.value for a, p in mem.metrics()["tl.op.time"]}
+    assert got.keys() == seconds.keys()
+    for key, ns in seconds.items():
+        assert got[key] == pytest.approx(ns / 1e9, rel=1e-12), key
+    # FLOPs per (func, phase), funcs with FLOPs only: forward addmm 96 + 96 + 48; backward mm 96 + 96 + 48
+    # (weight grads) + 96 + 48 (input grads).
+    got = {(a["tl.op.func"], a["tl.phase"]): p.value for a, p in mem.metrics()["tl.op.flops"]}
+    assert got == {("addmm", "forward"): 240, ("mm", "backward"): 384}
+    # A second window adds to the same series.
+    train_window(make_model(), torch.randn(3, 4))
+    assert mem.point("tl.op.calls", tl_op_func="addmm", tl_phase="forward").value == 6
+    assert mem.point("tl.op.flops", tl_op_func="mm", tl_phase="backward").value == 2 * 384
     assert all(a["tl.rank"] == 0 for points in mem.metrics().values() for a, _ in points)
 
 

@@ -53,7 +53,7 @@ def test_otlp_http_round_trip(monkeypatch, tmp_path):
     assert attributes(step.attributes)["tl.step"] == 4
     assert len(spans) == 1 + 16
     names = {m.name for _, m in metrics}
-    assert {"tl.step.duration", "tl.op.duration", "tl.step.flops", "tl.module.duration"} <= names
+    assert {"tl.step.duration", "tl.op.time", "tl.op.calls", "tl.step.flops", "tl.module.duration"} <= names
     flops = {
         attributes(p.attributes)["tl.phase"]: p.as_int
         for _, m in metrics
@@ -65,7 +65,7 @@ def test_otlp_http_round_trip(monkeypatch, tmp_path):
 
 PROMETHEUS_SAMPLES = {
     "tl_step_duration_seconds_bucket", "tl_step_duration_seconds_count", "tl_step_duration_seconds_sum",
-    "tl_op_duration_seconds_bucket", "tl_op_duration_seconds_count", "tl_op_duration_seconds_sum",
+    "tl_op_time_seconds_total", "tl_op_calls_total", "tl_op_flops_total",
     "tl_module_duration_seconds_bucket", "tl_module_duration_seconds_count", "tl_module_duration_seconds_sum",
     "tl_collective_duration_seconds_bucket", "tl_collective_duration_seconds_count",
     "tl_collective_duration_seconds_sum",
@@ -102,8 +102,10 @@ def test_prometheus_scrape():
         assert all(labels["tl_rank"] == "0" for labels, _ in samples[name]), name
     ((labels, value),) = [(lb, v) for lb, v in samples["tl_step_flops_total"] if lb["tl_phase"] == "forward"]
     assert value == 2 * 1 * 2 * 2  # one addmm, batch 1, 2x2
-    count = [v for lb, v in samples["tl_op_duration_seconds_count"] if lb["tl_op_func"] == "addmm"]
+    count = [v for lb, v in samples["tl_op_calls_total"] if lb["tl_op_func"] == "addmm"]
     assert count == [1.0]
+    flops = [v for lb, v in samples["tl_op_flops_total"] if lb["tl_op_func"] == "addmm"]
+    assert flops == [2 * 1 * 2 * 2]
     assert {lb["tl_collective_kind"] for lb, _ in samples["tl_collective_bytes_total"]} == {"all_reduce"}
     assert {(lb["tl_module"], lb["tl_of"]) for lb, _ in samples["tl_tensor_norm"]} >= {
         ("0", "out"),

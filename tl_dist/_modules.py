@@ -69,12 +69,13 @@ if TYPE_CHECKING:
     from ._recorder_state import RecorderState
 
 
-def _hidden_from_dynamo(*functions: Any) -> None:
+def hidden_from_dynamo(*functions: Any) -> None:
     """Dynamo runs these functions, and everything they call, as plain Python.
 
     A compiled module's inner call runs the global module hooks with Dynamo's frame callback on: without this,
     Dynamo would compile the hooks themselves (new frames, graph breaks) on a window's first step. Marked on
-    the code objects, so it costs nothing per call (``torch._dynamo.disable`` wrappers cost ~25 us a call).
+    the code objects, so it costs nothing per call (``torch._dynamo.disable`` wrappers cost ~25 us a call),
+    and needs no import of Dynamo (``torch._C._dynamo`` is part of torch's extension module).
     """
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
@@ -153,7 +154,7 @@ class ModuleTracker:
     def install(self) -> None:
         self.thread = _get_ident()
         if "torch._dynamo" in sys.modules:
-            _hidden_from_dynamo(ModuleTracker._pre, ModuleTracker._post)
+            hidden_from_dynamo(ModuleTracker._pre, ModuleTracker._post)
         self._handles = [
             nn_module.register_module_forward_pre_hook(self._pre),
             nn_module.register_module_forward_hook(self._post, always_call=True),

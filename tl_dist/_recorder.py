@@ -21,7 +21,7 @@ from ._common import DEVICE_NAMES, DTYPE_NAMES, RowView, device_name, dtype_name
 from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import TAG as _TAG
 from ._common import clone_strided as _clone_strided
-from ._modules import ModuleTracker
+from ._modules import ModuleTracker, hidden_from_dynamo
 from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
 from ._phases import SPECIAL as _SPECIAL_PHASE
 from ._phases import PhaseTracker, accumulating_param, in_recompute
@@ -52,6 +52,15 @@ class CaptureMode(TorchDispatchMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self._on_op = recorder.on_op
+        # Marked again at every window: torch._dynamo.reset() may drop what was set on the code objects.
+        hidden_from_dynamo(CaptureMode.__torch_dispatch__, SubclassMode.__torch_dispatch__)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says False: the wrapper
+        # imports Dynamo at the first op (~1-2 s) and costs ~1 us per op. The code objects are marked for
+        # Dynamo to skip instead (hidden_from_dynamo: this frame and everything it calls, at no cost per call).
+        return False
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -80,6 +89,10 @@ class SubclassMode(TorchDispatchMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self._recorder = weakref.proxy(recorder)  # the recorder owns this mode: no reference cycle
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as CaptureMode: its code object is marked for Dynamo to skip
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
@@ -210,9 +223,9 @@ class Recorder:
         try:
             if subclass:
                 with self.subclass_mode:
-                    out = func(*args, **kwargs)
+                    out = info.call(*args, **kwargs)
             else:
-                out = func(*args, **kwargs)
+                out = info.call(*args, **kwargs)
         except BaseException as exc:
             if not (subclass and self.failed_op is not None):  # else a collective inside it failed: keep that
                 self._record_failure(info, exc)
