@@ -315,6 +315,7 @@ class RegionHook:
             backward = bool(getattr(compiled, "fx_kwargs", {}).get("is_backward"))
             region = _Region(self.mode, compiled, record)
             info = _region_info(record, key, backward)
+            info.call = region  # what the recorder runs for this op
             OPINFO_CACHE[id(region)] = (region, info)
             entry = self._regions[id(compiled)] = (compiled, region, info)
         region = entry[1]
