@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
 import torch
 
@@ -113,24 +114,67 @@ def synthetic_trace(tpl: Template, rank: int, world: int, step: int, jitter: np.
     return Trace(cols, mods, collective_table=ct, metadata=meta)
 
 
+def _rank_fields(rank: int, world: int, step: int, jitter: np.ndarray) -> dict:
+    """What differs between ranks' shards of one step: op starts, collective issue/complete times (on the rank's
+    host clock) and the metadata naming the rank and its host; ``synthetic_trace`` builds the same values."""
+    shift = host_shift(rank // RANKS_PER_HOST)
+    t0 = 10**18 + step * 10**11
+    every = OPS // COLLS
+    ops = np.arange(every - 1, OPS, every, dtype=np.int64)  # Template.coll_ops
+    host = rank // RANKS_PER_HOST
+    return {
+        "start_ns": t0 + shift + np.arange(OPS, dtype=np.int64) * 10_000,
+        "issue_ns": t0 + ops * 10_000 + jitter[rank] + shift,
+        "complete_ns": t0 + ops * 10_000 + jitter.max(axis=0) + 5_000 + shift,
+        "meta": {"rank": rank, "host": f"node{host:04d}", "boot_id": f"boot-{host}"},
+    }
+
+
+def _patch_shard(template: Path, path: Path, fields: dict) -> None:
+    """``path`` as a copy of ``template`` (a shard of the same world and step written by the store's writer) with
+    the per-rank datasets and metadata attributes overwritten in place: ~100x faster than encoding 5,000 ops and
+    a world-sized group per collective again (4,096 ranks: 3.3 MB of group_ranks per shard)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.copyfile(template, tmp)
+    with h5py.File(tmp, "r+") as f:
+        f["ops/start_ns"][...] = fields["start_ns"]
+        f["collectives/issue_ns"][...] = fields["issue_ns"]
+        f["collectives/complete_ns"][...] = fields["complete_ns"]
+        meta = json.loads(f.attrs["metadata"])
+        meta.update(fields["meta"])
+        f.attrs["metadata"] = json.dumps(meta)
+        for key, value in fields["meta"].items():  # the plain copies `h5dump -A` shows
+            f.attrs[key] = value
+    os.replace(tmp, path)
+
+
 def _write_ranks(root: Path, world: int, steps: int, ranks: list[int]) -> None:
-    tpl = Template()
     jitter = arrival_jitter(world)
-    for r in ranks:
-        folder = root / f"rank{r:05d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for s in range(steps):
+    for s in range(steps):
+        template = root / f".template-step{s:08d}.h5"
+        for r in ranks:
+            folder = root / f"rank{r:05d}"
+            folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"step{s:08d}.h5"
             if not path.exists():
-                write_shard(synthetic_trace(tpl, r, world, s, jitter), path)
+                _patch_shard(template, path, _rank_fields(r, world, s, jitter))
 
 
 def write_run(root: Path, world: int, steps: int) -> Path:
-    """Write (or complete) the run's shards, in as many processes as there are cores (not measured)."""
-    workers = max(1, min(os.cpu_count() or 1, 8))
+    """Write (or complete) the run's shards (not measured): per step, rank 0's shard with the store's writer as
+    a template, then every rank's as a patched copy of it, in 2 processes at most (the machine is shared)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tpl, jitter = Template(), arrival_jitter(world)
+    for s in range(steps):
+        template = root / f".template-step{s:08d}.h5"
+        if not template.exists():
+            write_shard(synthetic_trace(tpl, 0, world, s, jitter), template)
+    workers = max(1, min(os.cpu_count() or 1, 2))
     chunks = [list(range(world))[k::workers] for k in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         pool.starmap(_write_ranks, [(root, world, steps, c) for c in chunks if c])
+    for s in range(steps):
+        (root / f".template-step{s:08d}.h5").unlink()
     return root
 
 
@@ -192,7 +236,12 @@ def merge_in_child(run: Path, workers: int = 0) -> dict:
         capture_output=True,
         text=True,
         cwd=here,
-        env={"OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(here), "PATH": "/usr/bin:/bin"},
+        # The tl_dist beside this file first (a snapshot of the tree, when one is benchmarked while it is edited).
+        env={
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "PYTHONPATH": f"{here}{os.pathsep}{here.parent}",
+            "PATH": "/usr/bin:/bin",
+        },
     )
     if proc.returncode:
         raise RuntimeError(f"merge of {run} failed:\n{proc.stderr[-3000:]}")
