@@ -151,5 +151,38 @@ def test_dask_merge_of_a_run_on_s3(tmp_path):
     with s3_store("bkt"):
         fsspec.filesystem("s3").put(str(tmp_path / "run") + "/", "bkt/run/", recursive=True)
         # A LocalCluster the merge starts (its workers read the store with the same configuration).
-        got = tl.merge_ranks("s3://bkt/run", strict=False, engine=DaskEngine(workers=2))
+        got = tl.merge_ranks(
+            "s3://bkt/run", strict=False, engine=DaskEngine(workers=2), out="s3://bkt/merged"
+        )
+        # The per-step folder the workers wrote on the store, read back lazily: with step 2's object alone
+        # beside the index, the merge's results and step 2's tables are there.
+        fs = fsspec.filesystem("s3")
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("bkt/merged")) == [
+            "index.json",
+            *(f"step{s:08d}.h5" for s in range(4)),
+        ]
+        for step in (0, 1, 3):
+            fs.rm(f"bkt/merged/step{step:08d}.h5")
+        back = tl.load_merged("s3://bkt/merged")
+        assert_same_merge(back, local)
+        assert back.to_pandas(step=2).equals(local.to_pandas(step=2))
     assert_same_merge(got, local)
+
+
+@pytest.mark.slow
+def test_dask_merge_writes_each_step_file_on_a_worker(tmp_path, client):
+    four_step_run(tmp_path / "run")
+    local = tl.merge_ranks(tmp_path / "run", strict=False)
+    out = tmp_path / "merged"
+    # The scheduler's record of the tasks run: each step's file is one task on a worker process (the client
+    # holds no op table of the run).
+    with distributed.get_task_stream(client) as stream:
+        got = tl.merge_ranks(tmp_path / "run", strict=False, engine=client, out=out)
+    writes = [t for t in stream.data if str(t["key"]).startswith("tl_dist-write-step-")]
+    assert sorted(int(str(t["key"]).split("-")[3]) for t in writes) == [0, 1, 2, 3]
+    assert {t["worker"] for t in writes} <= set(client.scheduler_info()["workers"])
+    assert_same_merge(got, local)
+    back = tl.load_merged(out)
+    assert_same_merge(back, local)
+    for step in local.steps:
+        assert back.to_pandas(step=step).equals(local.to_pandas(step=step)), step
