@@ -195,12 +195,16 @@ if workers:
     client.run(__import__, "tl_dist.merge.dask_engine")
     warm_s = time.perf_counter() - t
     engine, idle_rss = client, peak_rss()
+    worker_cpu0 = client.run(time.process_time)
 else:
     engine, idle_rss, warm_s = "local", 0, 0.0
 t, cpu = time.perf_counter(), time.process_time()
 g = tl.merge_ranks(sys.argv[1], engine=engine)
 elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
-worker_rss = sorted(client.run(peak_rss).values()) if workers else []
+rss = client.run(peak_rss) if workers else {}
+cpu_now = client.run(time.process_time) if workers else {}
+worker_rss = [rss[w] for w in sorted(rss)]
+worker_cpu = [cpu_now[w] - worker_cpu0[w] for w in sorted(rss)]  # the merge's CPU on each worker
 clocks = g.clocks
 est = clocks[clocks.method == "estimated"]
 errors = [abs(int(r.offset_ns) - host_shift(int(r.rank) // RANKS_PER_HOST)) for r in est.itertuples()]
@@ -211,6 +215,7 @@ print(json.dumps({
     "idle_rss": idle_rss,
     "warm_s": warm_s,
     "worker_rss": worker_rss,
+    "worker_cpu": worker_cpu,
     "findings": len(g.findings),
     "ops": int(g.time_breakdown().ops.sum()),
     "max_error_ns": max(errors, default=0),
@@ -266,7 +271,7 @@ def main() -> None:
     )
     print(
         f"{'ranks':>6} {'steps':>5} {'engine':>7} {'write s':>8} {'merge s':>8} {'cpu s':>6} {'us/op':>6} "
-        f"{'cpu us/op':>9} {'peak RSS':>9} {'findings':>8} {'clock err / unc (us)':>21}  workers' peak RSS"
+        f"{'cpu us/op':>9} {'peak RSS':>9} {'findings':>8} {'clock err / unc (us)':>21}  workers' peak RSS/CPU s"
     )
     engines = {"local": [0], "dask": [args.workers], "both": [0, args.workers]}[args.engine]
     cases = [(w, 1) for w in args.ranks] + [(w, 20) for w in args.steps20]
@@ -288,7 +293,9 @@ def main() -> None:
                     "" if res["within"] else " ERROR > UNC"
                 )
                 engine = f"dask{workers}" if workers else "local"
-                on_workers = " ".join(f"{b / 2**30:.2f}GB" for b in res["worker_rss"])
+                on_workers = " ".join(
+                    f"{b / 2**30:.2f}GB/{c:.0f}s" for b, c in zip(res["worker_rss"], res["worker_cpu"])
+                )
                 if workers:
                     on_workers += f" (client idle {res['idle_rss'] / 2**30:.2f}GB; workers' import {res['warm_s']:.1f} s)"
                 print(

@@ -147,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "path", help="run directory (DIR/rank*/step*.h5), merged .h5 file or per-step folder, or one shard"
+            "path",
+            help="run directory (DIR/rank*/step*.h5), merged .h5 file or per-step folder, or one shard",
         )
         p.add_argument("--lenient", action="store_true", help="merge despite missing/unreadable shards")
         p.add_argument("--no-fail", action="store_true", help="exit 0 even when findings exist")
