@@ -199,8 +199,17 @@ if workers:
 else:
     engine, idle_rss, warm_s = "local", 0, 0.0
 t, cpu = time.perf_counter(), time.process_time()
-g = tl.merge_ranks(sys.argv[1], engine=engine)
+out = sys.argv[3] or None  # --split: also write the per-step folder (on the workers with Dask)
+g = tl.merge_ranks(sys.argv[1], engine=engine, out=out)
 elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+split = {}
+if out:
+    import os
+    files = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)}
+    t = time.perf_counter()
+    back = tl.load_merged(out)  # the index only
+    split = {"index_bytes": files["index.json"], "out_bytes": sum(files.values()),
+             "load_s": time.perf_counter() - t, "same": back.findings == g.findings}
 rss = client.run(peak_rss) if workers else {}
 cpu_now = client.run(time.process_time) if workers else {}
 worker_rss = [rss[w] for w in sorted(rss)]
@@ -222,6 +231,7 @@ print(json.dumps({
     "max_uncertainty_ns": int(est.uncertainty_ns.max()) if len(est) else 0,
     "within": all(e <= int(u) for e, u in zip(errors, est.uncertainty_ns)),
     "same_host": int((clocks.method == "same-host").sum()),
+    **split,
 }))
 """
 
@@ -233,11 +243,12 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def merge_in_child(run: Path, workers: int = 0) -> dict:
-    """Merge ``run`` in a fresh process: locally, or (``workers``) on a LocalCluster of that many processes."""
+def merge_in_child(run: Path, workers: int = 0, out: Path | None = None) -> dict:
+    """Merge ``run`` in a fresh process: locally, or (``workers``) on a LocalCluster of that many processes;
+    with ``out``, also write the per-step folder there (``merge_ranks(out=)``) and load it back."""
     here = Path(__file__).resolve().parent
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(run), str(workers)],
+        [sys.executable, "-c", _CHILD, str(run), str(workers), str(out or "")],
         capture_output=True,
         text=True,
         cwd=here,
@@ -263,6 +274,11 @@ def main() -> None:
     )
     parser.add_argument("--engine", choices=["local", "dask", "both"], default="local", help="merge engine")
     parser.add_argument("--workers", type=int, default=2, help="Dask worker processes (--engine dask/both)")
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="merge with out=: also write the per-step folder (merge s includes it), then load its index",
+    )
     args = parser.parse_args()
     tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tl_bench_merge_"))
     print(f"{OPS} ops and {COLLS} all_reduces per rank and step, {RANKS_PER_HOST} ranks per host")
@@ -283,7 +299,12 @@ def main() -> None:
             write_run(run, world, steps)
             written = time.perf_counter() - t
             for workers in engines:
-                results = [merge_in_child(run, workers) for _ in range(args.rounds)]
+                out = tmp / f"w{world}s{steps}-merged" if args.split else None
+                results = []
+                for _ in range(args.rounds):
+                    results.append(merge_in_child(run, workers, out))
+                    if out is not None:
+                        shutil.rmtree(out)
                 res = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
                 us = res["seconds"] / res["ops"] * 1e6
                 cpu_us = res["cpu"] / res["ops"] * 1e6
@@ -303,6 +324,12 @@ def main() -> None:
                     f"{res['cpu']:>6.1f} {us:>6.2f} {cpu_us:>9.2f} {res['peak_rss'] / 2**30:>7.2f}GB "
                     f"{res['findings']:>8} {clock:>21}  {on_workers}"
                 )
+                if "index_bytes" in res:
+                    print(
+                        f"{'':>22} per-step folder: {res['out_bytes'] / 2**30:.2f} GB, index.json "
+                        f"{res['index_bytes'] / 2**20:.2f} MB, loaded in {res['load_s']:.2f} s"
+                        + ("" if res["same"] else "  FINDINGS DIFFER")
+                    )
             if not args.dir:
                 shutil.rmtree(run)
     finally:
