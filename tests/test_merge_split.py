@@ -48,7 +48,11 @@ def test_per_step_folder_equals_the_merge_field_by_field(run, tmp_path):
     assert names == ["index.json", *(f"step{s:08d}.h5" for s in g.steps)]
     index = json.loads((out / "index.json").read_text())
     assert index["encoding-type"] == "tl_dist.merged-steps" and len(index["steps"]) == 4
-    _same_everywhere(tl.load_merged(out), g)
+    back = tl.load_merged(out)
+    _same_everywhere(back, g)
+    # Perfetto reads every step's file, one (step, rank) at a time.
+    a, b = back.to_perfetto(str(tmp_path / "a.json")), g.to_perfetto(str(tmp_path / "b.json"))
+    assert json.loads(open(a).read()) == json.loads(open(b).read())
     # The same folder written by the merge itself (out=), and parts of it: steps= from the index, ranks=
     # re-merged from the step files (their collectives judged on those ranks alone, as merge_ranks does).
     g2 = tl.merge_ranks(run, strict=False, out=tmp_path / "merged2")
