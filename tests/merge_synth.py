@@ -135,3 +135,79 @@ def write_run(root: Path, traces, *, complete=None):
         ok = trace.metadata["complete"] if complete is None else complete
         paths.append(write_shard(trace, folder / f"step{step:08d}.h5", complete=ok))
     return paths
+
+
+# -- a 4-rank, 4-step run on two hosts with findings in three steps (tests of the Dask merge and of per-step
+# merged folders) ----------------------------------------------------------------------------------------------
+BASE = 1_000_000_000_000
+SHIFT = {"node0": 0, "node1": 3_000_000}  # node1's clock runs 3 ms ahead
+
+
+def _script(rank, step, host, *, numel=4, last_state="completed", skip=()):
+    """Three world all_reduces and an all_gather on ranks (0, 1); arrivals jittered per (rank, k) so each rank
+    is now and then the last; all complete together (on the true clock)."""
+    out = []
+    for k in range(4):
+        true_issue = BASE + step * 10**9 + k * 1_000_000 + ((rank * 7919 + k * 104729) % 40_000)
+        true_done = BASE + step * 10**9 + k * 1_000_000 + 200_000
+        func, group = ("all_gather", (0, 1)) if k == 3 else ("all_reduce", (0, 1, 2, 3))
+        if rank not in group or k in skip:
+            continue
+        state = last_state if k == 2 else "completed"
+        size = numel if k == 1 else 4
+        out.append(
+            coll(
+                func,
+                numel=size,
+                group=group,
+                issue=true_issue + SHIFT[host],
+                complete=true_done + SHIFT[host] if state == "completed" else None,
+                state=state,
+                compute_ns=1000 + rank * 10,
+                source=f"train.py:{10 + k}",  # one line per collective: what aligns records across ranks
+            )
+        )
+    return out
+
+
+def four_step_run(root):
+    """4 ranks on 2 hosts, 4 steps: step 0 healthy, step 1 rank 3's second all_reduce of another size, step 2
+    rank 2 absent and rank 1's window ended early (its third all_reduce never completed), step 3 rank 3 skips
+    the second all_reduce (the aligner compares records by their interned (func, module, source) keys)."""
+    traces = []
+    for step in range(4):
+        for rank in range(4):
+            host = "node0" if rank < 2 else "node1"
+            if step == 2 and rank == 2:
+                continue
+            numel = 6 if (step == 1 and rank == 3) else 4
+            last = "started" if (step == 2 and rank == 1) else "completed"
+            trace = make_trace(
+                rank,
+                _script(
+                    rank,
+                    step,
+                    host,
+                    numel=numel,
+                    last_state=last,
+                    skip=(1,) if (step, rank) == (3, 3) else (),
+                ),
+                world_size=4,
+                step=step,
+                host=host,
+                complete=not (step == 2 and rank == 1),
+            )
+            traces.append(trace)
+    write_run(root, traces)
+
+
+def assert_same_merge(a, b):
+    """Two merges of one run agree field by field: findings, steps, ranks, clocks, collectives, stragglers,
+    time breakdown and summary."""
+    assert a.findings == b.findings
+    assert a.steps == b.steps and a.ranks == b.ranks and a.incomplete == b.incomplete
+    for name in ("clocks", "collectives"):
+        assert getattr(a, name).equals(getattr(b, name)), name
+    assert a.stragglers().equals(b.stragglers())
+    assert a.time_breakdown().equals(b.time_breakdown())
+    assert a.summary() == b.summary()

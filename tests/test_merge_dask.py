@@ -8,74 +8,13 @@ import sys
 import textwrap
 
 import pytest
-from merge_synth import coll, make_trace, write_run
+from merge_synth import assert_same_merge, four_step_run
 
 import tl_dist as tl
 from tl_dist.cli import main
 from tl_dist.merge.dask_engine import DaskEngine, DaskSource, resolve_engine
 
 distributed = pytest.importorskip("distributed")
-
-BASE = 1_000_000_000_000
-SHIFT = {"node0": 0, "node1": 3_000_000}  # node1's clock runs 3 ms ahead
-
-
-def _script(rank, step, host, *, numel=4, last_state="completed", skip=()):
-    """Three world all_reduces and an all_gather on ranks (0, 1); arrivals jittered per (rank, k) so each rank
-    is now and then the last; all complete together (on the true clock)."""
-    out = []
-    for k in range(4):
-        true_issue = BASE + step * 10**9 + k * 1_000_000 + ((rank * 7919 + k * 104729) % 40_000)
-        true_done = BASE + step * 10**9 + k * 1_000_000 + 200_000
-        func, group = ("all_gather", (0, 1)) if k == 3 else ("all_reduce", (0, 1, 2, 3))
-        if rank not in group or k in skip:
-            continue
-        state = last_state if k == 2 else "completed"
-        size = numel if k == 1 else 4
-        out.append(
-            coll(
-                func,
-                numel=size,
-                group=group,
-                issue=true_issue + SHIFT[host],
-                complete=true_done + SHIFT[host] if state == "completed" else None,
-                state=state,
-                compute_ns=1000 + rank * 10,
-                source=f"train.py:{10 + k}",  # one line per collective: what aligns records across ranks
-            )
-        )
-    return out
-
-
-def _run(root):
-    """4 ranks on 2 hosts, 4 steps: step 0 healthy, step 1 rank 3's second all_reduce of another size, step 2
-    rank 2 absent and rank 1's window ended early (its third all_reduce never completed), step 3 rank 3 skips
-    the second all_reduce (the aligner compares records by their interned (func, module, source) keys)."""
-    traces = []
-    for step in range(4):
-        for rank in range(4):
-            host = "node0" if rank < 2 else "node1"
-            if step == 2 and rank == 2:
-                continue
-            numel = 6 if (step == 1 and rank == 3) else 4
-            last = "started" if (step == 2 and rank == 1) else "completed"
-            trace = make_trace(
-                rank,
-                _script(
-                    rank,
-                    step,
-                    host,
-                    numel=numel,
-                    last_state=last,
-                    skip=(1,) if (step, rank) == (3, 3) else (),
-                ),
-                world_size=4,
-                step=step,
-                host=host,
-                complete=not (step == 2 and rank == 1),
-            )
-            traces.append(trace)
-    write_run(root, traces)
 
 
 @pytest.fixture(scope="module")
@@ -89,19 +28,9 @@ def client():
         yield c
 
 
-def _same(a, b):
-    assert a.findings == b.findings
-    assert a.steps == b.steps and a.ranks == b.ranks and a.incomplete == b.incomplete
-    for name in ("clocks", "collectives"):
-        assert getattr(a, name).equals(getattr(b, name)), name
-    assert a.stragglers().equals(b.stragglers())
-    assert a.time_breakdown().equals(b.time_breakdown())
-    assert a.summary() == b.summary()
-
-
 @pytest.mark.slow
 def test_dask_merge_equals_local_field_by_field(tmp_path, client):
-    _run(tmp_path)
+    four_step_run(tmp_path)
     local = tl.merge_ranks(tmp_path, strict=False)
     # What the run holds (so the comparison compares something): a size mismatch, an absent and an incomplete
     # rank, and clocks estimated across the two hosts.
@@ -109,18 +38,18 @@ def test_dask_merge_equals_local_field_by_field(tmp_path, client):
     assert {"size_mismatch", "missing_rank", "incomplete_shard", "not_completed", "missing"} <= set(kinds)
     assert set(local.clocks.method) >= {"same-host", "estimated"}
     on_dask = tl.merge_ranks(tmp_path, strict=False, engine=client)
-    _same(on_dask, local)
+    assert_same_merge(on_dask, local)
     # The views that read the shards again after the merge.
     assert [j.verdict for j in on_dask.joined] == [j.verdict for j in local.joined]
     assert on_dask.to_pandas().equals(local.to_pandas())
     # A scheduler address, and a part of the run.
     part = tl.merge_ranks(tmp_path, engine=client.scheduler.address, steps=[0, 1])
-    _same(part, tl.merge_ranks(tmp_path, steps=[0, 1]))
+    assert_same_merge(part, tl.merge_ranks(tmp_path, steps=[0, 1]))
 
 
 @pytest.mark.slow
 def test_dask_merge_reports_unreadable_shards_as_local(tmp_path, client):
-    _run(tmp_path)
+    four_step_run(tmp_path)
     bad = tmp_path / "rank00001" / "step00000000.h5"
     bad.write_bytes(bad.read_bytes()[:300])  # truncated
     with pytest.raises(tl.MergeError) as local_error:
@@ -128,12 +57,14 @@ def test_dask_merge_reports_unreadable_shards_as_local(tmp_path, client):
     with pytest.raises(tl.MergeError) as dask_error:
         tl.merge_ranks(tmp_path, steps=[0], engine=client)
     assert str(dask_error.value) == str(local_error.value) and str(bad) in str(dask_error.value)
-    _same(tl.merge_ranks(tmp_path, strict=False, engine=client), tl.merge_ranks(tmp_path, strict=False))
+    assert_same_merge(
+        tl.merge_ranks(tmp_path, strict=False, engine=client), tl.merge_ranks(tmp_path, strict=False)
+    )
 
 
 @pytest.mark.slow
 def test_cli_scheduler_and_workers_print_the_local_result(tmp_path, client, capsys):
-    _run(tmp_path)
+    four_step_run(tmp_path)
     assert main(["merge", str(tmp_path), "--lenient", "--quiet"]) == 1
     local = capsys.readouterr().out
     assert (
@@ -158,7 +89,7 @@ def test_engine_is_checked():
 
 
 def test_dask_without_distributed_names_the_extra(tmp_path):
-    _run(tmp_path)
+    four_step_run(tmp_path)
     code = textwrap.dedent(
         f"""
         import sys
@@ -180,7 +111,7 @@ def test_worker_killed_mid_merge_is_retried_with_the_same_result(tmp_path, clien
     from tl_dist.merge.build import build
     from tl_dist.merge.sources import ShardSource, find_shards
 
-    _run(tmp_path)
+    four_step_run(tmp_path)
     local = tl.merge_ranks(tmp_path, strict=False)
     source = ShardSource(find_shards(tmp_path))
     keys = sorted(source.refs)
@@ -199,7 +130,7 @@ def test_worker_killed_mid_merge_is_retried_with_the_same_result(tmp_path, clien
     got = build(remote, keys, world_size=4, strict=False, expected=list(range(4)), written=_written(source))
     remote.close()
     assert counts[victim] > 0
-    _same(got, local)
+    assert_same_merge(got, local)
 
 
 def _written(source):
@@ -215,10 +146,43 @@ def test_dask_merge_of_a_run_on_s3(tmp_path):
     from s3_helpers import s3_store
 
     pytest.importorskip("s3fs")
-    _run(tmp_path / "run")
+    four_step_run(tmp_path / "run")
     local = tl.merge_ranks(tmp_path / "run", strict=False)
     with s3_store("bkt"):
         fsspec.filesystem("s3").put(str(tmp_path / "run") + "/", "bkt/run/", recursive=True)
         # A LocalCluster the merge starts (its workers read the store with the same configuration).
-        got = tl.merge_ranks("s3://bkt/run", strict=False, engine=DaskEngine(workers=2))
-    _same(got, local)
+        got = tl.merge_ranks(
+            "s3://bkt/run", strict=False, engine=DaskEngine(workers=2), out="s3://bkt/merged"
+        )
+        # The per-step folder the workers wrote on the store, read back lazily: with step 2's object alone
+        # beside the index, the merge's results and step 2's tables are there.
+        fs = fsspec.filesystem("s3")
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("bkt/merged")) == [
+            "index.json",
+            *(f"step{s:08d}.h5" for s in range(4)),
+        ]
+        for step in (0, 1, 3):
+            fs.rm(f"bkt/merged/step{step:08d}.h5")
+        back = tl.load_merged("s3://bkt/merged")
+        assert_same_merge(back, local)
+        assert back.to_pandas(step=2).equals(local.to_pandas(step=2))
+    assert_same_merge(got, local)
+
+
+@pytest.mark.slow
+def test_dask_merge_writes_each_step_file_on_a_worker(tmp_path, client):
+    four_step_run(tmp_path / "run")
+    local = tl.merge_ranks(tmp_path / "run", strict=False)
+    out = tmp_path / "merged"
+    # The scheduler's record of the tasks run: each step's file is one task on a worker process (the client
+    # holds no op table of the run).
+    with distributed.get_task_stream(client) as stream:
+        got = tl.merge_ranks(tmp_path / "run", strict=False, engine=client, out=out)
+    writes = [t for t in stream.data if str(t["key"]).startswith("tl_dist-write-step-")]
+    assert sorted(int(str(t["key"]).split("-")[3]) for t in writes) == [0, 1, 2, 3]
+    assert {t["worker"] for t in writes} <= set(client.scheduler_info()["workers"])
+    assert_same_merge(got, local)
+    back = tl.load_merged(out)
+    assert_same_merge(back, local)
+    for step in local.steps:
+        assert back.to_pandas(step=step).equals(local.to_pandas(step=step)), step

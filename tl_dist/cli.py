@@ -8,6 +8,8 @@ Example:
     $ tl-dist export runs/job42 --perfetto job42.json --step 100 --rank 0-7
     $ tl-dist report runs/job42 -o job42.html
     $ tl-dist merge s3://bucket/job42 --scheduler tcp://10.0.0.5:8786   # shards read on a Dask cluster
+    $ tl-dist merge s3://bucket/job42 --workers 2 -o s3://bucket/job42-merged --split step   # one file a step
+    $ tl-dist summary s3://bucket/job42-merged   # reads the index only
 
 Exit codes: 0 success, 1 findings exist (unless ``--no-fail``), 2 bad input (missing, unreadable or
 unmergeable shards; a message names the file). Output cut short by a closed pipe (``| head``) is no error.
@@ -26,6 +28,7 @@ from typing import Any
 from .errors import ShardFormatError, TlDistError
 from .merge import load_merged, merge_ranks
 from .merge.dask_engine import DaskEngine
+from .merge.split import is_split
 from .pipeline import finish_run
 from .schema import PHASES
 from .store import file_kind, load, location
@@ -39,13 +42,25 @@ _FLAGS = {"strict=False": "--lenient"}
 
 
 def _open(
-    path: str, *, strict: bool, progress: bool, steps: Any = None, ranks: Any = None, engine: Any = "local"
+    path: str,
+    *,
+    strict: bool,
+    progress: bool,
+    steps: Any = None,
+    ranks: Any = None,
+    engine: Any = "local",
+    out: str | None = None,
 ) -> Any:
-    """A MergedTrace from a run directory or a merged ``.h5`` file (only ``steps`` / ``ranks`` when given); a
-    Trace from one shard. Each may be a URL (``s3://...``); ``engine``: ``merge_ranks``' for a run directory."""
+    """A MergedTrace from a run directory, a merged ``.h5`` file or a per-step merged folder (only ``steps`` /
+    ``ranks`` when given); a Trace from one shard. Each may be a URL (``s3://...``); ``engine`` and ``out``:
+    ``merge_ranks``' for a run directory."""
     p = path if location.is_url(path) else Path(path)
     if location.is_dir(p):
-        return merge_ranks(p, strict=strict, progress=progress, steps=steps, ranks=ranks, engine=engine)
+        if is_split(p):
+            return load_merged(p, steps=steps, ranks=ranks)
+        return merge_ranks(
+            p, strict=strict, progress=progress, steps=steps, ranks=ranks, engine=engine, out=out
+        )
     if not location.exists(p):
         raise TlDistError(
             f"{path}: no such file or directory (expected a run directory, a merged .h5 or a shard)"
@@ -65,6 +80,12 @@ def _open(
             "(one rank's step)"
         )
     return load(p)
+
+
+def _is_run_dir(path: str) -> bool:
+    """Whether ``path`` is a folder of shards (merged by ``merge_ranks``), not a per-step merged folder."""
+    p = path if location.is_url(path) else Path(path)
+    return location.is_dir(p) and not is_split(p)
 
 
 def _int_list(text: str) -> list[int]:
@@ -125,7 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("path", help="run directory (DIR/rank*/step*.h5), merged .h5 file, or one shard")
+        p.add_argument(
+            "path",
+            help="run directory (DIR/rank*/step*.h5), merged .h5 file or per-step folder, or one shard",
+        )
         p.add_argument("--lenient", action="store_true", help="merge despite missing/unreadable shards")
         p.add_argument("--no-fail", action="store_true", help="exit 0 even when findings exist")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -154,6 +178,12 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", help="merge a run's shards, print the findings, optionally save the result")
     common(p)
     p.add_argument("-o", "--output", help="write the merged trace here (.h5; reopen with tl.load_merged)")
+    p.add_argument(
+        "--split",
+        choices=["step"],
+        help="with -o: write a folder of one file per step and an index, which tl.load_merged reads lazily "
+        "(with --scheduler / --workers each step's file is written on the workers)",
+    )
     p = sub.add_parser(
         "summary", help="print the summary: findings, stragglers, time per rank (one shard: its ops)"
     )
@@ -184,15 +214,19 @@ def _version() -> str:
     return __version__
 
 
-def _run(args: argparse.Namespace, target: Any) -> None:
-    """Carry out ``args.command`` on a MergedTrace or (one shard) a Trace."""
+def _run(args: argparse.Namespace, target: Any, wrote: bool = False) -> None:
+    """Carry out ``args.command`` on a MergedTrace or (one shard) a Trace; ``wrote``: the merge already wrote
+    the per-step folder of ``merge --split``."""
     if args.command == "merge":
         # The end-of-run pipeline the Lightning callback runs too; the CLI reports on stdout itself.
-        outputs = finish_run(target, merged=args.output or None, logger=None)
+        split = args.split is not None
+        outputs = finish_run(target, merged=None if split else args.output or None, logger=None)
+        if split and not wrote:  # a merged file or folder given: written here, not by the merge
+            target.save(args.output, split=args.split)
         print(repr(target))
         for f in target.findings:
             print(f"  {'' if f.primary else '(consequence) '}{f}")
-        for path in outputs.written:
+        for path in ([args.output] if split else []) + outputs.written:
             print(f"wrote {path}")
     elif args.command == "summary":
         print(target.summary())
@@ -216,7 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tl-dist`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
     progress = not args.quiet and sys.stderr.isatty()
+    split = getattr(args, "split", None)
+    out = args.output if split is not None else None
     try:
+        if split is not None and not args.output:
+            raise ValueError("--split step writes a folder: give it with -o FOLDER")
         target = _open(
             args.path,
             strict=not args.lenient,
@@ -224,11 +262,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps=args.step,
             ranks=args.rank,
             engine=_engine(args),
+            out=out,
         )
+        # Whether the merge wrote the folder (a run directory merged with out=; on Dask, on the workers).
+        wrote = out is not None and _is_run_dir(args.path)
         if args.command == "merge" and not hasattr(target, "findings"):
             # One shard merged: the other ranks of its world are reported as missing_rank findings.
-            target = merge_ranks([args.path], strict=False, progress=progress)
-        _run(args, target)
+            target = merge_ranks([args.path], strict=False, progress=progress, out=out)
+            wrote = out is not None
+        _run(args, target, wrote)
         sys.stdout.flush()
     except BrokenPipeError:
         # The reader stopped (`| head`): not an error. Point stdout at /dev/null so the interpreter's final

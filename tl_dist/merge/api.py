@@ -20,6 +20,7 @@ from .draw import draw
 from .graph import MergedTrace
 from .perfetto import write_perfetto
 from .persist import save_merged
+from .split import SPLITS, save_steps
 from .views import clocks_frame, collectives_frame, ops_frame, summary
 
 
@@ -47,13 +48,15 @@ class _MergedTraceMethods:
         """
         return collectives_frame(self._collective_rows)
 
-    def to_pandas(self) -> Any:
-        """All ops of all ranks: the schema's columns plus ``step``, ``rank`` and ``aligned_start_ns``.
+    def to_pandas(self, *, step: int | None = None) -> Any:
+        """All ops of all ranks (of ``step`` only, when given): the schema's columns plus ``step``, ``rank`` and
+        ``aligned_start_ns``. Shards (or a per-step folder's step files) are read one at a time; the frame of
+        the whole run holds every op, so on a big run ask for one step.
 
         Example:
-            >>> g.to_pandas().groupby(["rank", "func"]).duration_ns.sum()
+            >>> g.to_pandas(step=100).groupby(["rank", "func"]).duration_ns.sum()
         """
-        return ops_frame(self)
+        return ops_frame(self, step)
 
     def summary(self) -> str:
         """A readable report: ranks, collectives by verdict, clocks, findings, stragglers, time per rank."""
@@ -101,14 +104,21 @@ class _MergedTraceMethods:
         """
         return write_report(self, path, title=title)
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the merged trace as one HDF5 file (every rank's tables and the merge facts); reopen it with
-        :func:`load_merged`.
+    def save(self, path: str | os.PathLike, *, split: str | None = None) -> str:
+        """Write the merged trace: one HDF5 file (every rank's tables; the analysis is re-run on load), or with
+        ``split="step"`` a folder (path or URL) of one HDF5 file per step plus an index of the merge's results,
+        which :func:`load_merged` reads lazily (a step's file only when a view needs that step). Reopen either
+        with :func:`load_merged`. Returns ``path``.
 
         Example:
             >>> g.save("job42-merged.h5"); tl.load_merged("job42-merged.h5").findings
+            >>> g.save("s3://bucket/job42-merged", split="step")
         """
-        return save_merged(self, path)
+        if split is None:
+            return save_merged(self, path)
+        if split not in SPLITS:
+            raise ValueError(f"split must be None (one file) or one of {list(SPLITS)}, got {split!r}")
+        return save_steps(self, path)
 
 
 attach(MergedTrace, _MergedTraceMethods)

@@ -25,6 +25,7 @@ from .dask_engine import DaskEngine, DaskSource, connected, resolve_engine
 from .graph import MergedTrace
 from .persist import open_merged
 from .sources import GivenPaths, Interner, RankData, ShardSource, check_subset, find_shards
+from .split import open_steps, save_steps
 from .steps import RunFacts, analyse_step, beside_note
 
 
@@ -109,16 +110,30 @@ def build(
 def load_merged(
     path: str | os.PathLike, *, steps: Iterable[int] | None = None, ranks: Iterable[int] | None = None
 ) -> MergedTrace:
-    """Reopen a merged trace written by ``MergedTrace.save`` (optionally only some steps / ranks of it); the
-    merge is re-run over its stored tables, one step at a time.
+    """Reopen a merged trace written by ``MergedTrace.save`` (optionally only some steps / ranks of it).
+
+    A merged file (``g.save("x.h5")``): the merge is re-run over its stored tables, one step at a time. A
+    per-step folder (``g.save(FOLDER, split="step")``, ``merge_ranks(..., out=FOLDER)``): only its index is
+    read (findings, clocks, stragglers, collectives as the merge computed them); a step's file is read when a
+    view needs that step's tables (``g.rank(r, step=s)``, ``g.to_pandas(step=s)``), whole-run views read them
+    one at a time. ``ranks=`` on a folder re-merges those ranks from the chosen steps' files (their
+    collectives are judged on them alone).
 
     Raises:
-        ShardFormatError: the file is missing, not HDF5, not a merged trace, or from a newer schema.
+        ShardFormatError: the file (or a folder's index) is missing, not a merged trace, corrupt, or from a
+            newer schema; the message names the file.
         SelectionError: ``steps`` / ``ranks`` select nothing in it (a ``MergeError`` and a ``ValueError``).
 
     Example:
         >>> g = tl.load_merged("job42-merged.h5"); g.findings
+        >>> g = tl.load_merged("s3://bucket/job42-merged"); g.to_pandas(step=100)   # step 100's file only
     """
+    if isinstance(path, (str, os.PathLike)) and location_is_dir(path):  # a per-step folder: its index only
+        opened = open_steps(path, steps=steps, ranks=ranks)
+        if "stored" in opened:
+            return MergedTrace(**opened["stored"])
+        rebuild = opened["rebuild"]  # ranks= judges their collectives anew: re-merge from the step files
+        return build(rebuild.pop("source"), rebuild.pop("keys"), strict=False, **rebuild)
     if is_url(path):  # a local copy, kept while the process runs: views read its tables again
         with reading(path, keep=True) as local:
             return load_merged(local, steps=steps, ranks=ranks)
@@ -143,6 +158,7 @@ def merge_ranks(
     ranks: Iterable[int] | None = None,
     progress: bool = False,
     engine: Any = "local",
+    out: str | os.PathLike | None = None,
 ) -> MergedTrace:
     """Join the rank-local shards of a job into one :class:`MergedTrace`.
 
@@ -164,6 +180,9 @@ def merge_ranks(
             ``"dask"`` (a LocalCluster started for the merge), a scheduler address (``"tcp://HOST:8786"``), a
             ``distributed.Client``, or a :class:`~tl_dist.merge.dask_engine.DaskEngine`. The result is the
             same; see ``docs/merge.md`` ("On Dask").
+        out: also write the merged result as a per-step folder here (a path or URL; what
+            ``g.save(out, split="step")`` writes, reopened lazily by :func:`load_merged`); with a Dask engine each
+            step's file is written on a worker from the shards, so this process never holds a step's op tables.
 
     Returns:
         The merged trace; ``.findings`` is empty for a healthy run.
@@ -184,6 +203,8 @@ def merge_ranks(
         raise ValueError(f"world_size must be a positive int or None, got {world_size!r}")
     if not isinstance(progress, bool):
         raise ValueError(f"progress must be a bool, got {progress!r}")
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise ValueError(f"out must be a folder path or URL, got {type(out).__name__}")
     want_steps, want_ranks = check_subset(steps, "steps"), check_subset(ranks, "ranks")
     dask = resolve_engine(engine)
     # Reading and joining allocate many small objects (one record per collective per rank); the cyclic GC
@@ -192,7 +213,7 @@ def merge_ranks(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _merge(path_or_paths, strict, world_size, want_steps, want_ranks, progress, dask)
+        return _merge(path_or_paths, strict, world_size, want_steps, want_ranks, progress, dask, out)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -206,6 +227,7 @@ def _merge(
     ranks: frozenset[int] | None,
     progress: bool,
     dask: DaskEngine | None = None,
+    out: str | os.PathLike | None = None,
 ) -> MergedTrace:
     refs = find_shards(path_or_paths)
     is_dir = isinstance(path_or_paths, (str, os.PathLike)) and location_is_dir(path_or_paths)
@@ -255,13 +277,19 @@ def _merge(
         "progress": progress,
     }
     if dask is None:
-        return build(source, keys, **run)
+        g = build(source, keys, **run)
+        if out is not None:
+            save_steps(g, out)
+        return g
     with connected(dask) as client:
         remote = DaskSource(source, client, keys)
         try:
-            return build(remote, keys, **run)
+            g = build(remote, keys, **run)
         finally:
             remote.close()
+        if out is not None:
+            save_steps(g, out, client=client)
+        return g
 
 
 def _world_hint(refs: list[Any]) -> int | None:

@@ -33,6 +33,7 @@ from .sources import Interner, RankData, ShardRef, ShardSource
 _STR_FIELDS = ("func", "group_name", "dtype", "state", "label", "module", "source")
 _STR_AT = tuple(Entry._fields.index(f) for f in _STR_FIELDS)
 _KEY_AT = Entry._fields.index("key")
+_GROUP_AT = Entry._fields.index("group")
 _KEY_PARTS = tuple(_STR_FIELDS.index(f) for f in ("func", "module", "source"))  # what Entry.key interns
 
 
@@ -148,6 +149,7 @@ def unpack(packed: tuple[RankData, list | None, list[str]], names: Interner) -> 
     for at, got in zip(_STR_AT, ids):
         columns[at] = names.text(got)
     columns[_KEY_AT] = list(zip(*(ids[k].tolist() for k in _KEY_PARTS)))
+    columns[_GROUP_AT] = names.groups(columns[_GROUP_AT])
     data.entries = list(map(Entry._make, zip(*columns)))
     return data
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SelectionError, ShardFormatError
@@ -27,7 +27,44 @@ from ..store import read_merged, write_merged
 from .sources import GivenPaths, MergedFileSource, check_subset
 
 if TYPE_CHECKING:
+    from ..trace import Trace
     from .graph import MergedTrace
+
+
+def merged_attrs(g: MergedTrace, step: int | None = None) -> dict[str, Any]:
+    """The root attributes of a merged file of ``g`` (of one ``step`` only: its shard errors)."""
+    errors = {k: e for k, e in g.shard_errors.items() if step is None or k[0] == step}
+    attrs = {
+        "world_size": g.world_size,
+        "shard_errors": json.dumps({f"{s}:{r}": e for (s, r), e in errors.items()}),
+        "expected": json.dumps(g.expected_ranks),
+        "written": json.dumps({str(r): s for r, s in g.written.items()}),
+    }
+    if g.given is not None:
+        attrs["given"] = g.given.to_json()
+    return attrs
+
+
+def trace_groups(
+    traces: Iterable[tuple[tuple[int, int], Trace]], incomplete: Collection[tuple[int, int]]
+) -> Iterator[tuple[str, dict[str, Any], list]]:
+    """The ``/shards`` groups of a merged file (``store.write_merged``'s ``groups``), one (step, rank) trace at a
+    time; ``incomplete``: the keys whose window ended early."""
+    for (step, rank), trace in traces:
+        meta = dict(trace.metadata)
+        meta["complete"] = (step, rank) not in incomplete
+        group_attrs = {
+            "step": step,
+            "rank": rank,
+            "metadata": json.dumps(meta, default=str),
+            "failed_op": json.dumps(trace.failed_op, default=str),
+        }
+        tables = [
+            ("ops", OP_FIELDS, trace.columns),
+            ("modules", MODULE_CALL_FIELDS, trace.module_table),
+            ("collectives", COLLECTIVE_FIELDS, trace.collective_table),
+        ]
+        yield f"s{step}_r{rank}", group_attrs, tables
 
 
 def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
@@ -35,33 +72,7 @@ def save_merged(g: MergedTrace, path: str | os.PathLike) -> str:
     path."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a file path, got {type(path).__name__}")
-    attrs = {
-        "world_size": g.world_size,
-        "shard_errors": json.dumps({f"{s}:{r}": e for (s, r), e in g.shard_errors.items()}),
-        "expected": json.dumps(g.expected_ranks),
-        "written": json.dumps({str(r): s for r, s in g.written.items()}),
-    }
-    if g.given is not None:
-        attrs["given"] = g.given.to_json()
-
-    def groups() -> Iterator[tuple[str, dict[str, Any], list]]:
-        for (step, rank), trace in g.iter_traces():
-            meta = dict(trace.metadata)
-            meta["complete"] = (step, rank) not in g.incomplete
-            group_attrs = {
-                "step": step,
-                "rank": rank,
-                "metadata": json.dumps(meta, default=str),
-                "failed_op": json.dumps(trace.failed_op, default=str),
-            }
-            tables = [
-                ("ops", OP_FIELDS, trace.columns),
-                ("modules", MODULE_CALL_FIELDS, trace.module_table),
-                ("collectives", COLLECTIVE_FIELDS, trace.collective_table),
-            ]
-            yield f"s{step}_r{rank}", group_attrs, tables
-
-    return write_merged(path, attrs, groups())
+    return write_merged(path, merged_attrs(g), trace_groups(g.iter_traces(), g.incomplete))
 
 
 def open_merged(

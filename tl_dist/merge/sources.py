@@ -170,18 +170,32 @@ def check_subset(value: Any, name: str) -> frozenset[int] | None:
 
 
 class Interner:
-    """One integer id per distinct string across the shards of a merge (id 0 is ``""``).
+    """One integer id per distinct string across the shards of a merge (id 0 is ``""``), and one tuple object
+    per distinct process group (:meth:`group`).
 
     Example:
         >>> names = Interner(); names.id("all_reduce_1"), names.strings[1]
         (1, 'all_reduce_1')
     """
 
-    __slots__ = ("strings", "_ids")
+    __slots__ = ("strings", "_ids", "_groups")
 
     def __init__(self) -> None:
         self.strings: list[str] = [""]
         self._ids: dict[str, int] = {"": 0}
+        self._groups: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """``groups`` (one per collective of a shard) with each distinct group one tuple across all shards: the
+        world group of N ranks is then one N-tuple, not one per shard (N^2 ints for the merge)."""
+        seen: dict[int, tuple[int, ...]] = {}  # a shard's rows share a few tuple objects: hash each once
+        out = []
+        for g in groups:
+            got = seen.get(id(g))
+            if got is None:
+                got = seen[id(g)] = self._groups.setdefault(g, g)
+            out.append(got)
+        return out
 
     def id(self, value: str) -> int:
         got = self._ids.get(value)
@@ -304,7 +318,8 @@ def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, 
     """The :class:`RankData` of one shard's tables (see the module docstring)."""
     step, rank = key
     data = RankData(rank, step, metadata, failed_op)
-    n, ops, m, ct, groups = tables.n, tables.ops, tables.m, tables.ct, tables.groups
+    n, ops, m, ct = tables.n, tables.ops, tables.m, tables.ct
+    groups = names.groups(tables.groups)
 
     def ids(arrays: dict, categories: dict, name: str, rows: np.ndarray | None = None) -> np.ndarray:
         codes = arrays[name] if rows is None else arrays[name][rows]

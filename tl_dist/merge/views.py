@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import SelectionError
 from ..schema import OP_FIELDS, OUTSIDE
 from ..step_facts import straggler
 from ..views.summary import timing_caveat
@@ -52,17 +53,20 @@ def clocks_frame(g: MergedTrace) -> Any:
     return frame
 
 
-def ops_frame(g: MergedTrace) -> Any:
-    """Every op of every (step, rank) with ``step``, ``rank`` and ``aligned_start_ns`` in front."""
+def ops_frame(g: MergedTrace, step: int | None = None) -> Any:
+    """Every op of every (step, rank) (of ``step`` only, when given) with ``step``, ``rank`` and
+    ``aligned_start_ns`` in front."""
     import pandas as pd
 
+    if step is not None and step not in g.steps:
+        raise SelectionError(f"step: {step!r} is not a step of this merge; steps: {g.steps}")
     frames = []
     offsets = g.offsets
-    for (step, rank), trace in g.iter_traces():
+    for (at, rank), trace in g.iter_traces(step=step):
         frame = trace.to_pandas()
-        frame.insert(0, "aligned_start_ns", frame["start_ns"] - offsets.get((step, rank), 0))
+        frame.insert(0, "aligned_start_ns", frame["start_ns"] - offsets.get((at, rank), 0))
         frame.insert(0, "rank", rank)
-        frame.insert(0, "step", step)
+        frame.insert(0, "step", at)
         frames.append(frame)
     if not frames:
         return pd.DataFrame()

@@ -127,6 +127,21 @@ def read_merged(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, dict
 @contextmanager
 def open_group(path: str | os.PathLike, name: str) -> Iterator[Any]:
     """One ``/shards`` group of a merged-trace file, open for the table readers (``read_table``,
-    ``read_arrays``) while the ``with`` block runs; its ``.attrs`` hold the group's attributes."""
-    with h5py.File(path, "r") as f:
-        yield f["shards"][name]
+    ``read_arrays``) while the ``with`` block runs; its ``.attrs`` hold the group's attributes.
+
+    Raises:
+        ShardFormatError: the file is missing or not readable HDF5, or has no such group (names the file).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ShardFormatError(f"{path}: no such merged-trace file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise ShardFormatError(f"{path}: not a readable HDF5 file: {exc}") from exc
+    with f:
+        try:
+            group = f["shards"][name]
+        except Exception as exc:  # noqa: BLE001 - a missing or corrupt group: a format problem of this file
+            raise ShardFormatError(f"{path}: no readable group /shards/{name}: {exc}") from exc
+        yield group
