@@ -57,6 +57,7 @@ _MODULE_STACK = FIELD_INDEX["module_stack"]
 _PARENTS = FIELD_INDEX["parents"]
 _COMM_PREFIXES = tuple(f"{ns}." for ns in COLLECTIVE_NAMESPACES)
 _perf_ns = time.perf_counter_ns
+_NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 _SUBSCRIPT = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
@@ -257,6 +258,11 @@ class _Region:
         hook = self.hook
         if hook is None:
             return _ORIGINAL_CALL(self.compiled, list(inputs))
+        if self.record is not None and not self.communicates:
+            # Nothing inside it is recorded: its extern kernels skip Python dispatch (and the mode) altogether.
+            # An Inductor artifact holds plain tensors only (AOTAutograd unwraps subclasses before it).
+            with _NO_PYTHON_DISPATCH():
+                return _ORIGINAL_CALL(self.compiled, list(inputs))
         mode = hook.mode
         on_op = mode._on_op
         mode._on_op = hook.inside  # the region's own dispatched ops (extern kernels) are inside it
