@@ -425,18 +425,33 @@ class RegionHook:
         for index, root_stack, record in self.rows:
             if record is None:
                 continue
-            root = root_stack[-1] if root_stack else ""
-            for pos, func in enumerate(record.funcs):
-                stack = root_stack + tuple(_join(root, s) for s in record.stacks[pos])
-                cols["region"].append(index)
-                cols["pos"].append(pos)
-                cols["func"].append(func)
-                cols["aten"].append(record.atens[pos])
-                cols["module"].append(stack[-1] if stack else "")
-                cols["module_stack"].append(stack)
-                cols["flops"].append(record.flops[pos])
-                cols["out_shapes"].append(record.out_shapes[pos])
+            stacks, modules = _placed(record, root_stack)
+            n = len(record.funcs)
+            cols["region"] += [index] * n
+            cols["pos"] += range(n)
+            cols["func"] += record.funcs
+            cols["aten"] += record.atens
+            cols["module"] += modules
+            cols["module_stack"] += stacks
+            cols["flops"] += record.flops
+            cols["out_shapes"] += record.out_shapes
         return cols
+
+
+# (id(record), the region's module stack) -> (record, its ops' module stacks and modules placed under it): a
+# region runs under the same module every step, so a window's table costs list copies, not string joins.
+# Records live as long as the process (_BY_TEXT), so their ids are not reused.
+_PLACED: dict[tuple[int, tuple[str, ...]], tuple[GraphRecord, tuple, tuple]] = {}
+
+
+def _placed(record: GraphRecord, root_stack: tuple[str, ...]) -> tuple[tuple, tuple]:
+    entry = _PLACED.get((id(record), root_stack))
+    if entry is None or entry[0] is not record:
+        root = root_stack[-1] if root_stack else ""
+        stacks = tuple(root_stack + tuple(_join(root, s) for s in stack) for stack in record.stacks)
+        modules = tuple(stack[-1] if stack else "" for stack in stacks)
+        entry = _PLACED[(id(record), root_stack)] = (record, stacks, modules)
+    return entry[1], entry[2]
 
 
 def _join(root: str, relative: str) -> str:
