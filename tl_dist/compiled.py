@@ -12,7 +12,11 @@ Two halves, one at compile time and one in the window:
   times it like any op (host clock; CUDA events on a GPU), links it to the ops whose outputs it reads and to the
   autograd node it runs in backward, and saves its outputs when selected. While the region runs, the capture's
   dispatch mode passes the region's own dispatched ops (Inductor's extern kernels, ``aten.mm.out`` & co)
-  through unrecorded: they are the region's, listed in ``trace.compiled_table``.
+  through unrecorded: they are the region's, listed in ``trace.compiled_table``. A region whose graph issues no
+  collective runs with Python dispatch off (its kernels never reach the mode, as in an uncaptured step).
+- Collectives a region issues (functional collectives traced into its graph) reach the mode while it runs:
+  :meth:`RegionHook.inside` has the recorder record each as a collective op (numbered before the region, which
+  is numbered when it returns) and its ``wait_tensor`` as its completion; the region then reads them.
 
 The capture's dispatch mode declares ``ignore_compile_internals()``: Dynamo then keeps running compiled code
 while the mode is on (no fallback to eager, no recompilation), and compilation inside a window is not recorded.
@@ -349,9 +353,8 @@ class RegionHook:
         index = recorder.n_ops - 1  # numbered after it ran: the collectives it issued come first
         inputs.clear()  # as the artifact would have: the caller hands over its references
         if issued:
-            recorder.comm.unlinked = (
-                unlinked  # its collectives' autograd is the region's (no DTensor between)
-            )
+            # Its collectives' autograd is the region's (no DTensor redistribution between them and it).
+            recorder.comm.unlinked = unlinked
             self._link_collectives(index, issued)
             region.communicates = True
         if region.record is None or region.record.phase == "forward":
