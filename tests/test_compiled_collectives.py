@@ -53,6 +53,10 @@ def _seq() -> int:
     return int(dist.group.WORLD._get_sequence_number_for_group())
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _twin(model: torch.nn.Module, step, out_dir: Path) -> dict:
     """Compile (two steps), then the same step outside and inside an armed window from the same parameters."""
     from torch._dynamo.utils import counters
@@ -62,7 +66,8 @@ def _twin(model: torch.nn.Module, step, out_dir: Path) -> dict:
     def run() -> tuple:
         model.zero_grad(set_to_none=True)
         loss = step()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        # FSDP2's gradients are DTensors: their local shards are what this rank holds.
+        return loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()}
 
     def reset() -> None:
         with torch.no_grad():
@@ -218,3 +223,47 @@ def test_compiled_ddp_python_reducer_all_reduce_in_the_backward_graph(tmp_path):
     merged = tl.merge_ranks(tmp_path / "run")
     assert merged.findings == []
     assert list(merged.collectives["verdict"]) == ["matched"]
+
+
+def _fsdp2_job(rank: int, world_size: int, out_dir: Path) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    tl.watch_compiles()
+    torch.manual_seed(0)
+    model = _MLP()
+    for module in (model.fc1, model.fc2, model):
+        fully_shard(module)
+    compiled = torch.compile(model)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> torch.Tensor:
+        loss = compiled(x).square().mean()
+        loss.backward()
+        return loss
+
+    return _twin(model, step, out_dir)
+
+
+def test_compiled_fsdp2_collectives_run_in_its_hooks_between_regions(tmp_path):
+    from dist_helpers import run_ranks
+
+    results = run_ranks(_fsdp2_job, world_size=2, tmp_path=tmp_path, timeout=600.0)
+    for res in results:
+        assert res["equal"] and res["compiled_nothing"]
+        # Dynamo runs FSDP2's hooks eagerly: their all-gathers and reduce-scatters run between regions, not
+        # inside one. fc1 holds 8*4 + 8 = 40 parameters (a shard of 20 per rank), fc2 2*8 + 2 = 18 (9): gathered
+        # in forward, again in backward (resharded after forward), then their gradients reduce-scattered.
+        assert len(res["collectives"]) == res["seq_after"] - res["seq_before"] == 6
+        assert [(c["func"], c["numel"]) for c in res["collectives"]] == [
+            ("all_gather", 20),
+            ("all_gather", 9),
+            ("all_gather", 9),
+            ("all_gather", 20),
+            ("reduce_scatter", 18),
+            ("reduce_scatter", 40),
+        ]
+        assert all(c["region"] is None and c["state"] == "completed" for c in res["collectives"])
+        assert "compiled_forward" in res["regions"] and "compiled_backward" in res["regions"]
+    merged = tl.merge_ranks(tmp_path / "run")
+    assert merged.findings == []
+    assert set(merged.collectives["verdict"]) == {"matched"} and len(merged.collectives) == 6
