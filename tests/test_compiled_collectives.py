@@ -37,6 +37,21 @@ class _AllReduceNet(torch.nn.Module):
         return self.head(torch.relu(h))
 
 
+class _EarlyNet(torch.nn.Module):
+    """Compiled before ``watch_compiles`` (a class of its own: Dynamo would reuse its graph for another instance of
+    the same forward's code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(self.fc(x), "sum", dist.group.WORLD).relu()
+
+
 class _MLP(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -120,11 +135,18 @@ def _twin(model: torch.nn.Module, step, out_dir: Path) -> dict:
         "seq_before": before,
         "seq_after": after,
         "regions": [cols["func"][i] for i in regions],
+        "unknown": trace.metadata.get("compiled_unknown", 0),  # region runs of graphs tl_dist did not see
         "collectives": inside,
     }
 
 
 def _functional_job(rank: int, world_size: int, out_dir: Path) -> dict:
+    # Compiled before watch_compiles: tl_dist never sees its graph (it still records its collectives).
+    torch.manual_seed(1)
+    early = torch.compile(_EarlyNet())
+    x1 = torch.randn(3, 4)
+    for _ in range(2):
+        early(x1).sum().backward()
     tl.watch_compiles()
     torch.manual_seed(0)
     model = _AllReduceNet()
@@ -141,6 +163,14 @@ def _functional_job(rank: int, world_size: int, out_dir: Path) -> dict:
     traced = tl.trace(compiled, x)
     result["validate"] = traced.validate().skipped
     result["traced_regions"] = [op.label for op in traced if op.kind == "compiled"]
+    before = _seq()
+    with tl.capture() as cap:
+        early(x1).sum().backward()
+    result["early"] = (
+        cap.trace.metadata.get("compiled_unknown"),
+        [c.func for c in cap.trace.collectives],
+        _seq() - before,
+    )
     return result
 
 
@@ -149,7 +179,7 @@ def test_functional_all_reduce_in_a_compiled_graph_is_recorded_and_merged(tmp_pa
 
     results = run_ranks(_functional_job, world_size=2, tmp_path=tmp_path, timeout=600.0)
     for res in results:
-        assert res["equal"] and res["compiled_nothing"]
+        assert res["equal"] and res["compiled_nothing"] and res["unknown"] == 0
         assert res["regions"] == ["compiled_forward", "compiled_backward"]
         # Independent count: the group's own sequence counter advanced once per collective the window issued.
         assert len(res["collectives"]) == res["seq_after"] - res["seq_before"] == 2
@@ -171,6 +201,8 @@ def test_functional_all_reduce_in_a_compiled_graph_is_recorded_and_merged(tmp_pa
         # The traced forward issued its all_reduce inside its region.
         (region,) = res["traced_regions"]
         assert res["validate"][region].startswith("compiled region issuing collectives")
+        # The graph compiled before watch_compiles: 2 region runs without a record, both all_reduces recorded.
+        assert res["early"] == (2, ["all_reduce", "all_reduce"], 2)
     merged = tl.merge_ranks(tmp_path / "run")
     assert merged.findings == []
     frame = merged.collectives
@@ -205,7 +237,7 @@ def test_compiled_ddp_python_reducer_all_reduce_in_the_backward_graph(tmp_path):
 
     results = run_ranks(_ddp_python_reducer_job, world_size=2, tmp_path=tmp_path, timeout=600.0)
     for res in results:
-        assert res["equal"] and res["compiled_nothing"]
+        assert res["equal"] and res["compiled_nothing"] and res["unknown"] == 0
         # The forward region, then compiled autograd's backward graph (a graph without autograd of its own)
         assert res["regions"] == ["compiled_forward", "compiled_inference"]
         assert len(res["collectives"]) == res["seq_after"] - res["seq_before"] == 1
