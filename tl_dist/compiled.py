@@ -12,7 +12,11 @@ Two halves, one at compile time and one in the window:
   times it like any op (host clock; CUDA events on a GPU), links it to the ops whose outputs it reads and to the
   autograd node it runs in backward, and saves its outputs when selected. While the region runs, the capture's
   dispatch mode passes the region's own dispatched ops (Inductor's extern kernels, ``aten.mm.out`` & co)
-  through unrecorded: they are the region's, listed in ``trace.compiled_table``.
+  through unrecorded: they are the region's, listed in ``trace.compiled_table``. A region whose graph issues no
+  collective runs with Python dispatch off (its kernels never reach the mode, as in an uncaptured step).
+- Collectives a region issues (functional collectives traced into its graph) reach the mode while it runs:
+  :meth:`RegionHook.inside` has the recorder record each as a collective op (numbered before the region, which
+  is numbered when it returns) and its ``wait_tensor`` as its completion; the region then reads them.
 
 The capture's dispatch mode declares ``ignore_compile_internals()``: Dynamo then keeps running compiled code
 while the mode is on (no fallback to eager, no recompilation), and compilation inside a window is not recorded.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +45,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ._common import FIELD_INDEX, flat_outputs
-from ._opinfo import OPINFO_CACHE, OpInfo, op_info
+from ._common import FIELD_INDEX, flat_outputs, storage_key
+from ._opinfo import COLLECTIVE_NAMESPACES, OPINFO_CACHE, OpInfo, mutated_tensors, op_info
 from .schema import COMPILED_OP_FIELDS, empty_columns
 from .training import link_running_node
 
@@ -53,6 +58,10 @@ _LOCK = threading.Lock()
 _PENDING: list[tuple[Any, GraphRecord]] = []
 _BY_TEXT: dict[str, GraphRecord] = {}  # CompiledFxGraph.inductor_post_grad_graph_str -> record
 _MODULE_STACK = FIELD_INDEX["module_stack"]
+_PARENTS = FIELD_INDEX["parents"]
+_COMM_PREFIXES = tuple(f"{ns}." for ns in COLLECTIVE_NAMESPACES)
+_perf_ns = time.perf_counter_ns
+_NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 _SUBSCRIPT = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
@@ -71,6 +80,11 @@ class GraphRecord:
     @property
     def total_flops(self) -> int:
         return sum(self.flops)
+
+    @property
+    def communicates(self) -> bool:
+        """Whether the graph issues collectives (functional collectives traced into it)."""
+        return any(aten.startswith(_COMM_PREFIXES) for aten in self.atens)
 
 
 def _relative_path(path: str) -> str:
@@ -231,31 +245,35 @@ def _region_info(record: GraphRecord | None, key: str, backward: bool) -> OpInfo
 
 
 class _Region:
-    """The callable the recorder runs for one CompiledFxGraph: the artifact itself, its inner ops unrecorded."""
+    """The callable the recorder runs for one CompiledFxGraph: the artifact itself, its inner ops unrecorded except
+    the collectives it issues (see :meth:`inside`)."""
 
-    def __init__(self, mode: Any, compiled: Any, record: GraphRecord | None) -> None:
-        self.mode = mode  # the window's dispatch mode; None after the window (trace.validate() re-runs it)
+    def __init__(self, hook: RegionHook, compiled: Any, record: GraphRecord | None) -> None:
+        self.hook: RegionHook | None = hook  # None after the window (trace.validate() re-runs the artifact)
         self.compiled = compiled
         self.record = record
+        # A region that issues collectives cannot be re-run on one rank (validate and replay skip it).
+        self.communicates = record is not None and record.communicates
         self.__name__ = "compiled_region"
 
     def __call__(self, inputs: list) -> Any:
         # A copy: the artifact empties the list it is given (boxed calling convention), and the recorder keeps
         # this one as the op's arguments (replay, validate).
-        mode = self.mode
-        if mode is None:
+        hook = self.hook
+        if hook is None:
             return _ORIGINAL_CALL(self.compiled, list(inputs))
+        if self.record is not None and not self.communicates:
+            # Nothing inside it is recorded: its extern kernels skip Python dispatch (and the mode) altogether.
+            # An Inductor artifact holds plain tensors only (AOTAutograd unwraps subclasses before it).
+            with _NO_PYTHON_DISPATCH():
+                return _ORIGINAL_CALL(self.compiled, list(inputs))
+        mode = hook.mode
         on_op = mode._on_op
-        mode._on_op = _passthrough  # the region's own dispatched ops (extern kernels) are inside it
+        mode._on_op = hook.inside  # the region's own dispatched ops (extern kernels) are inside it
         try:
             return _ORIGINAL_CALL(self.compiled, list(inputs))
         finally:
             mode._on_op = on_op
-
-
-def _passthrough(func: Any, args: tuple, kwargs: dict, subclass: bool = False) -> Any:
-    """``Recorder.on_op``'s stand-in inside a region: runs the op unrecorded (``subclass`` as there, unused)."""
-    return func(*args, **kwargs)
 
 
 _ORIGINAL_CALL: Any = None
@@ -282,6 +300,8 @@ class RegionHook:
         self._forwards: list[
             tuple[int, list[Any]]
         ] = []  # forward regions not linked yet: (op index, outputs)
+        self._issued: list[int] = []  # op indices of the collectives the running region issued
+        self._written: set[int | None] = set()  # storages they wrote into
 
     def install(self) -> None:
         global _ORIGINAL_CALL
@@ -304,7 +324,7 @@ class RegionHook:
         self._forwards.clear()
         for _, region, _ in self._regions.values():
             OPINFO_CACHE.pop(id(region), None)
-            region.mode = None
+            region.hook = None
         self._regions.clear()
 
     def run(self, compiled: Any, inputs: Any) -> Any:
@@ -313,20 +333,31 @@ class RegionHook:
             record = record_of(compiled)
             key = str(getattr(compiled, "cache_key", "") or id(compiled))[:16]
             backward = bool(getattr(compiled, "fx_kwargs", {}).get("is_backward"))
-            region = _Region(self.mode, compiled, record)
+            region = _Region(self, compiled, record)
             info = _region_info(record, key, backward)
             info.call = region  # what the recorder runs for this op
             OPINFO_CACHE[id(region)] = (region, info)
             entry = self._regions[id(compiled)] = (compiled, region, info)
         region = entry[1]
         recorder = self.recorder
-        index = recorder.n_ops
         if region.record is None:
             self.unknown += 1
         if self._forwards and torch._C._current_graph_task_id() != -1:
             link_running_node(recorder.token, self._forwards)  # a backward region: its forward region
-        out = recorder.on_op(region, (list(inputs),), {})
+        outer, issued = self._issued, []
+        self._issued = issued
+        unlinked = recorder.comm.unlinked
+        try:
+            out = recorder.on_op(region, (list(inputs),), {})
+        finally:
+            self._issued = outer
+        index = recorder.n_ops - 1  # numbered after it ran: the collectives it issued come first
         inputs.clear()  # as the artifact would have: the caller hands over its references
+        if issued:
+            # Its collectives' autograd is the region's (no DTensor redistribution between them and it).
+            recorder.comm.unlinked = unlinked
+            self._link_collectives(index, issued)
+            region.communicates = True
         if region.record is None or region.record.phase == "forward":
             # A forward region runs inside its autograd Function's forward: its outputs get their autograd node
             # only when the Function returns, after the recorder looked. The backward region finds its forward
@@ -339,24 +370,92 @@ class RegionHook:
         self.rows.append((index, recorder.rows[index][_MODULE_STACK], region.record))
         return out
 
+    def inside(self, func: Any, args: tuple, kwargs: dict, subclass: bool = False) -> Any:
+        """``Recorder.on_op``'s stand-in while a region runs (``subclass`` as there): the region's dispatched
+        ops run unrecorded (they are the region's), except the collectives it issues, which the recorder
+        records as ops of their own (and their collective rows), and ``wait_tensor``, which completes one."""
+        cached = OPINFO_CACHE.get(id(func))
+        info = cached[1] if cached is not None and cached[0] is func else op_info(func)
+        comm = info.comm
+        if comm is None or (comm.spec is None and not comm.is_wait):
+            return func(*args, **kwargs)
+        recorder = self.recorder
+        if comm.is_wait:
+            out = func(*args, **kwargs)
+            recorder.comm.waited(args, _perf_ns())
+            return out
+        out = recorder.on_op(func, args, kwargs)
+        self._issued.append(recorder.n_ops - 1)
+        if info.mutated:  # all_reduce_ & co write into a buffer of the region
+            self._written.update(storage_key(t) for t in mutated_tensors(info, args, kwargs))
+        return out
+
+    def _link_collectives(self, index: int, issued: list[int]) -> None:
+        """Edges of the collectives region ``index`` issued: each reads what the region read (its inputs are
+        buffers the region made from them), the region reads each (its code after the collective reads the
+        result). Their outputs are the region's buffers: saved ones are copied (the region may reuse the memory)
+        and their in-place writes forgotten (memory freed with the region)."""
+        recorder = self.recorder
+        rows = recorder.rows
+        region_row = rows[index]
+        inputs = tuple(p for p in region_row[_PARENTS] if p not in issued)
+        rows[index] = (
+            region_row[:_PARENTS]
+            + (tuple(dict.fromkeys(inputs + tuple(issued))),)
+            + region_row[_PARENTS + 1 :]
+        )
+        done = set(issued)
+        for i in issued:
+            row = rows[i]
+            rows[i] = row[:_PARENTS] + (inputs,) + row[_PARENTS + 1 :]
+            saved = recorder.saved.get(i)
+            if saved is not None:
+                recorder.saved[i] = [None if t is None else t.clone() for t in saved]
+            record = recorder.replay_records.get(i)
+            if record is not None:
+                record[4][:] = [None if t is None else t.clone() for t in record[4]]
+        writes = recorder._writes
+        for key in self._written:
+            kept = [e for e in writes.get(key, ()) if e[0] not in done]
+            if kept:
+                writes[key] = kept
+            else:
+                writes.pop(key, None)
+        self._written.clear()
+
     def table(self) -> dict[str, list]:
         """``trace.compiled_table``: one row per ATen op of each region run in the window."""
         cols = empty_columns(COMPILED_OP_FIELDS)
         for index, root_stack, record in self.rows:
             if record is None:
                 continue
-            root = root_stack[-1] if root_stack else ""
-            for pos, func in enumerate(record.funcs):
-                stack = root_stack + tuple(_join(root, s) for s in record.stacks[pos])
-                cols["region"].append(index)
-                cols["pos"].append(pos)
-                cols["func"].append(func)
-                cols["aten"].append(record.atens[pos])
-                cols["module"].append(stack[-1] if stack else "")
-                cols["module_stack"].append(stack)
-                cols["flops"].append(record.flops[pos])
-                cols["out_shapes"].append(record.out_shapes[pos])
+            stacks, modules = _placed(record, root_stack)
+            n = len(record.funcs)
+            cols["region"] += [index] * n
+            cols["pos"] += range(n)
+            cols["func"] += record.funcs
+            cols["aten"] += record.atens
+            cols["module"] += modules
+            cols["module_stack"] += stacks
+            cols["flops"] += record.flops
+            cols["out_shapes"] += record.out_shapes
         return cols
+
+
+# (id(record), the region's module stack) -> (record, its ops' module stacks and modules placed under it): a
+# region runs under the same module every step, so a window's table costs list copies, not string joins.
+# Records live as long as the process (_BY_TEXT), so their ids are not reused.
+_PLACED: dict[tuple[int, tuple[str, ...]], tuple[GraphRecord, tuple, tuple]] = {}
+
+
+def _placed(record: GraphRecord, root_stack: tuple[str, ...]) -> tuple[tuple, tuple]:
+    entry = _PLACED.get((id(record), root_stack))
+    if entry is None or entry[0] is not record:
+        root = root_stack[-1] if root_stack else ""
+        stacks = tuple(root_stack + tuple(_join(root, s) for s in stack) for stack in record.stacks)
+        modules = tuple(stack[-1] if stack else "" for stack in stacks)
+        entry = _PLACED[(id(record), root_stack)] = (record, stacks, modules)
+    return entry[1], entry[2]
 
 
 def _join(root: str, relative: str) -> str:

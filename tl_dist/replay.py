@@ -220,8 +220,9 @@ class _Replay:
             return
         func, skeleton_args, skeleton_kwargs, srcs, consts = record
         info = op_info(func)
-        if info.kind == "collective" or draws_random(info, func, skeleton_args, skeleton_kwargs):
-            why = "random op" if info.nondeterministic else "collective (it needs every member rank)"
+        communicates = info.kind == "collective" or getattr(func, "communicates", False)
+        if communicates or draws_random(info, func, skeleton_args, skeleton_kwargs):
+            why = "collective (it needs every member rank)" if communicates else "random op"
             self.not_replayed[labels[i]] = f"{why}: its recorded output is reused"
             self.values[i] = [None if t is None else t.clone() for t in self.trace.saved.get(i, ())]
             self.returned[i] = len(self.values[i])

@@ -110,6 +110,8 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float
 def _skip_reason(info: Any, expected: list | None, func: Any, args: tuple, kwargs: dict) -> str | None:
     if info.kind == "collective":
         return "collective: replaying it would need every member rank"
+    if getattr(func, "communicates", False):
+        return "compiled region issuing collectives: replaying it would need every member rank"
     if draws_random(info, func, args, kwargs):
         return "nondeterministic op (random numbers)"
     # An empty *size-0* tensor (BatchNorm's reserve placeholder) holds no bytes: its shape is still checked.
