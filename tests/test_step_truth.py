@@ -233,3 +233,51 @@ def test_every_view_tells_the_same_step(job, capsys):
     # The NaN is found (rank 0, step 1).
     first = run.statistics()["first_nonfinite"]
     assert (first["step"], first["rank"]) == (1, 0)
+
+
+def _clusters_of_nodes(source):
+    """Per node of a DOT source, the labels of the clusters enclosing it, outermost first."""
+    stack, where = [], {}
+    for line in source.splitlines():
+        text = line.strip()
+        if text.startswith("subgraph cluster_"):
+            stack.append(None)
+        elif text.startswith("label=") and stack and stack[-1] is None:
+            stack[-1] = re.match(r'label="((?:[^"\\]|\\.)*)"', text)[1]
+        elif text == "}" and stack:
+            stack.pop()
+        elif m := re.match(r"(\w+) \[label=", text):
+            where[m[1]] = list(stack)
+    return where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [None, 1])
+def test_the_drawing_puts_each_collective_in_its_owner_module(job, depth):
+    """The merged drawing (DOT source) draws every collective inside the cluster of the module the Collectives
+    table names (module.0's call is collapsed at depth=1: the collective keeps its node inside it) and joins
+    the ranks' copies with a cross-rank edge."""
+    from tl_dist.merge.draw import merged_source
+
+    _, _, g = job
+    source = merged_source(g, depth=depth)
+    where = _clusters_of_nodes(source)
+    ops = g.to_pandas()
+    drawn = 0
+    for c in g.collectives.itertuples():
+        nodes = []
+        for r in c.ranks:
+            (index,) = ops[(ops.step == c.step) & (ops["rank"] == r) & (ops.label == c.label)]["index"]
+            node = f"s{c.step}r{r}_op{index}"
+            # the innermost cluster is the owner's call ("module.0 (Linear)"), inside the rank's cluster
+            assert where[node][0] == f"rank {r} step {c.step}" and where[node][-1].startswith(
+                f"{c.module} ("
+            ), (
+                c.func,
+                where.get(node),
+                c.module,
+            )
+            nodes.append(node)
+        assert f"{nodes[0]} -> {nodes[1]} [dir=none" in source  # the cross-rank edge
+        drawn += c.func == "all_reduce" and c.module not in ("<root>", "(outside modules)")
+    assert drawn >= STEPS  # DDP's gradient all_reduce, at each step, in a module below the root
