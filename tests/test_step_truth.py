@@ -48,7 +48,8 @@ def _job(rank, world_size, out):
     provider = TracerProvider(shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(spans))
     prom = start_prometheus(port=0)
-    sink = OtelSink(tracer_provider=provider, meter_provider=prom, module_depth=3)
+    # stragglers=True: rank 0 also merges each step from the shards itself (the path of a job without Lightning)
+    sink = OtelSink(tracer_provider=provider, meter_provider=prom, module_depth=3, stragglers=True)
     tl.arm(out / "shards", sinks=[sink])
     result = {"wall_ns": [], "late": [], "busbw": []}
     for step in range(STEPS):
@@ -73,7 +74,8 @@ def _job(rank, world_size, out):
         result["wall_ns"].append(t.wall_ns)
         result["late"].append(list(late) if late else None)
         result["busbw"].append([(r.kind, r.group, r.busbw) for r in t.collectives])
-    assert tl.flush()
+    assert tl.flush() and sink.wait_stragglers(timeout=60)
+    result["merged_late"] = {s: r.late and list(r.late) for s, r in sink.step_stragglers.items()}
     result["scrape"] = urllib.request.urlopen(prom.url, timeout=10).read().decode()
     result["spans"] = [
         {
@@ -136,6 +138,11 @@ def test_every_view_tells_the_same_step(job, capsys):
     # Lightning's code path (gathered arrivals -> the merge's clock and wait code): the same straggler.
     for r in (0, 1):
         assert [tuple(x) for x in results[r]["late"]] == [ref[s] for s in range(STEPS)]
+    # OtelSink(stragglers=True): rank 0 merging each step's shards as they come (a job without Lightning).
+    assert (
+        results[0]["merged_late"] == {s: list(ref[s]) for s in range(STEPS)}
+        and results[1]["merged_late"] == {}
+    )
 
     # The report: its breakdown is time_breakdown; its headline names rank 1, its wait, the idle before.
     run = Run.of(g)
