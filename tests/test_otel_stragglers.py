@@ -23,7 +23,7 @@ SLEEP_S = 0.03
 STEPS = 3  # captured by both ranks; step STEPS by rank 0 only
 
 
-def _job(rank, world_size, out):
+def _job(rank, world_size, out, root):
     import torch.distributed as dist
     from torch import nn
 
@@ -34,7 +34,7 @@ def _job(rank, world_size, out):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prom = start_prometheus(port=0)
     sink = OtelSink(meter_provider=prom, spans=None, stragglers=True, merge_wait_s=2.0)
-    tl.arm(out / "run", sinks=[sink])
+    tl.arm(root or out / "run", sinks=[sink])
     for step in range(STEPS + 1):
         opt.zero_grad()
         dist.barrier()
@@ -72,11 +72,25 @@ def _samples(text, name):
     ]
 
 
+@pytest.fixture(params=["folder", "s3"])
+def run_root(request, tmp_path, monkeypatch):
+    """Where the ranks write their shards: a local folder, or an S3 bucket (moto's server on 127.0.0.1)."""
+    if request.param == "folder":
+        yield None, tmp_path / "run"
+        return
+    from s3_helpers import s3_store
+
+    monkeypatch.setenv("TL_DIST_SPOOL", str(tmp_path / "spool"))
+    with s3_store("bkt"):
+        yield "s3://bkt/run", "s3://bkt/run"
+
+
 @pytest.mark.slow
-def test_rank_zero_sets_the_straggler_gauges_from_the_merge(tmp_path):
-    results = run_ranks(_job, world_size=2, tmp_path=tmp_path, timeout=120)
+def test_rank_zero_sets_the_straggler_gauges_from_the_merge(tmp_path, run_root):
+    root, where = run_root
+    results = run_ranks(_job, world_size=2, tmp_path=tmp_path, timeout=120, args=(root,))
     assert [r["errors"] for r in results] == [{}, {}]
-    g = tl.merge_ranks(tmp_path / "run", steps=range(STEPS))  # step STEPS has rank 0's shard only
+    g = tl.merge_ranks(where, steps=range(STEPS))  # step STEPS has rank 0's shard only
     strag = g.stragglers()
     ref = {s: straggler(strag[strag.step == s].to_dict("records")) for s in range(STEPS)}
     for s in range(STEPS):  # the planted straggler, as the merge sees it
