@@ -33,7 +33,7 @@ def _job(rank, world_size, out, root):
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prom = start_prometheus(port=0)
-    sink = OtelSink(meter_provider=prom, spans=None, stragglers=True, merge_wait_s=2.0)
+    sink = OtelSink(meter_provider=prom, spans=None, stragglers=True, merge_wait_s=5.0)
     tl.arm(root or out / "run", sinks=[sink])
     for step in range(STEPS + 1):
         opt.zero_grad()
