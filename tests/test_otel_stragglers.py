@@ -32,6 +32,10 @@ def _job(rank, world_size, out, root):
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Not armed yet: the first dispatch-mode use is slow (on one rank more); DDP rebuilds its buckets at step 2.
+    for _ in range(2):
+        with tl.capture():
+            model(torch.randn(4, 8)).sum().backward()
     prom = start_prometheus(port=0)
     sink = OtelSink(meter_provider=prom, spans=None, stragglers=True, merge_wait_s=5.0)
     tl.arm(root or out / "run", sinks=[sink])
