@@ -20,6 +20,7 @@ are counted in ``sink.stats``, and ``tl.disarm()`` waits at most ``CLOSE_TIMEOUT
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ from .otel_export import (
 )
 from .otel_metrics import DURATION_BUCKETS_S, INSTRUMENTS, WindowMetrics
 from .otel_spans import ROOT, WindowSpans, step_trace_id
+from .otel_straggler import StepStraggler, StragglerWatch
 
 if TYPE_CHECKING:
     from tl_dist.telemetry import StepTelemetry
@@ -62,11 +64,13 @@ __all__ = [
     "ExportStats",
     "OtelSink",
     "PrometheusMeterProvider",
+    "StepStraggler",
     "rank_resource",
     "start_prometheus",
     "step_trace_id",
 ]
 
+log = logging.getLogger("tl_dist")
 SPAN_MODES = ("module", "op", None)
 SCOPE = "tl_dist"
 DEFAULT_SERVICE_NAME = "tl_dist"
@@ -116,9 +120,20 @@ class OtelSink:
             module is depth 0, its children 1, ...); bounds the metrics' cardinality.
         resource: attributes (a ``Resource`` or a mapping) merged over :func:`rank_resource`'s in the
             providers this sink builds, e.g. ``{"service.name": "pretrain-7b"}``.
+        stragglers: fill the ``tl.step.straggler_rank`` / ``tl.step.straggler_wait`` gauges without a caller
+            that sees every rank (a plain torchrun job; the Lightning callback sets them itself): rank
+            ``merge_rank`` merges each captured step once every rank's shard of it is in the run folder
+            (``tl.arm(out_dir)``, a URL too), by the merge's own code (:func:`tl_dist.pipeline.step_straggler`),
+            on a thread of its own. Needs ``tl.arm(out_dir)`` on every rank. The results, a step whose shards
+            did not all arrive in time included, are in :attr:`step_stragglers`.
+        merge_rank: the rank that merges (the others do nothing more).
+        merge_wait_s: how long after this rank's window reached the sink the other ranks' shards of that step
+            may take to arrive; a step still missing some is counted in ``tl.step.straggler_unknown`` (the
+            gauges keep their last value) and logged once.
 
     Example:
         >>> tl.arm("runs/job42", every=50, sinks=[OtelSink(module_depth=3)])
+        >>> tl.arm("runs/job42", every=50, sinks=[OtelSink(stragglers=True)])  # rank 0 sets the gauges
 
     Caveats: providers passed in are the caller's: the sink never flushes or shuts them down, and their resource
     is theirs (give it ``rank_resource``'s attributes for per-rank identity). Several sinks in one process
@@ -136,6 +151,9 @@ class OtelSink:
         spans: str | None = "module",
         module_depth: int = 2,
         resource: Resource | Mapping[str, Any] | None = None,
+        stragglers: bool = False,
+        merge_rank: int = 0,
+        merge_wait_s: float = 60.0,
     ) -> None:
         if tracer_provider is not None and not isinstance(tracer_provider, ApiTracerProvider):
             raise ValueError(
@@ -160,6 +178,16 @@ class OtelSink:
                     f"got {type(resource).__name__}"
                 )
             resource = Resource(dict(resource))
+        if not isinstance(stragglers, bool):
+            raise ValueError(f"stragglers must be a bool, got {stragglers!r}")
+        if isinstance(merge_rank, bool) or not isinstance(merge_rank, int) or merge_rank < 0:
+            raise ValueError(f"merge_rank must be an int >= 0 (the rank that merges), got {merge_rank!r}")
+        if (
+            isinstance(merge_wait_s, bool)
+            or not isinstance(merge_wait_s, (int, float))
+            or not merge_wait_s > 0
+        ):
+            raise ValueError(f"merge_wait_s must be a number of seconds > 0, got {merge_wait_s!r}")
         builds_tracer = tracer_provider is None and spans is not None
         builds_meter = meter_provider is None
         if resource is not None and not (builds_tracer or builds_meter):
@@ -182,6 +210,12 @@ class OtelSink:
         self._window_metrics: WindowMetrics | None = None
         self._late: tuple[tuple[int, int] | None] | None = None  # on_straggler's last value, boxed
         self._ready = False
+        self.stragglers = stragglers
+        self.merge_rank = merge_rank
+        self.merge_wait_s = float(merge_wait_s)
+        self._watch: StragglerWatch | None = None
+        self._watch_results: dict[int, StepStraggler] = {}
+        self._unknown_logged = False
 
     @property
     def stats(self) -> ExportStats:
@@ -199,6 +233,61 @@ class OtelSink:
                 self._window_metrics.record(trace, telemetry)
                 if self._late is not None:
                     self._window_metrics.straggler(self._late[0])
+        if self.stragglers:
+            self._watch_step(trace.metadata)
+
+    @property
+    def step_stragglers(self) -> dict[int, StepStraggler]:
+        """``stragglers=True`` on ``merge_rank``: step -> :class:`StepStraggler` of the latest captured steps
+        merged so far (``late``: ``(rank, wait_ns)`` or None; ``missing``: ranks whose shard did not arrive in
+        time). Empty on the other ranks.
+
+        Example:
+            >>> sink.step_stragglers[100].late
+            (3, 30000000)
+        """
+        watch = self._watch
+        return dict(watch.results) if watch is not None else dict(self._watch_results)
+
+    def wait_stragglers(self, timeout: float | None = None) -> bool:
+        """Wait until every captured step handed to the merge has its result (:attr:`step_stragglers`); False
+        if ``timeout`` seconds passed first. Never call it on the training thread of a rank whose peers have
+        not written their shards yet: it waits for them."""
+        watch = self._watch
+        return True if watch is None else watch.wait(timeout)
+
+    def _watch_step(self, metadata: Mapping[str, Any]) -> None:
+        if int(metadata.get("rank", 0)) != self.merge_rank:
+            return
+        shard = metadata.get("shard")
+        if not shard:
+            self._trouble.report(
+                "stragglers=True needs the shards: arm with an out_dir (tl.arm('runs/job42', sinks=[...]))"
+            )
+            return
+        if self._watch is None:
+            self._watch = StragglerWatch(self._merged, wait_s=self.merge_wait_s)
+        self._watch.submit(str(shard), int(metadata.get("step", 0)), int(metadata.get("world_size", 1)))
+
+    def _merged(self, result: StepStraggler) -> None:
+        """A step's merge (on the watch's thread): the gauges, or the step counted as unknown."""
+        if result.known:
+            self.on_straggler(result.late)
+            return
+        why = result.error or f"no shard from rank(s) {list(result.missing)} within {self.merge_wait_s:g} s"
+        log.log(
+            logging.WARNING if not self._unknown_logged else logging.DEBUG,
+            "tl_dist: %s: the straggler of step %d is unknown: %s%s",
+            self.name,
+            result.step,
+            why,
+            "" if self._unknown_logged else " (further such steps: tl.step.straggler_unknown, not logged)",
+        )
+        self._unknown_logged = True
+        metrics = self._window_metrics
+        if metrics is not None:
+            with quiet(self._trouble):
+                metrics.straggler_unknown()
 
     def on_straggler(self, late: tuple[int, int] | None) -> None:
         """The last captured step's straggler, ``(rank, wait_ns)`` or None (:func:`tl_dist.step_facts.straggler`),
@@ -246,6 +335,10 @@ class OtelSink:
 
         A sink armed again afterwards builds new ones at its next window.
         """
+        watch, self._watch = self._watch, None
+        if watch is not None:  # the steps still merging set their gauges before the providers go
+            watch.close(CLOSE_TIMEOUT_S)
+            self._watch_results = dict(watch.results)
         owned, guarded = self._owned, self._guarded
         if self._trace_exporters and self.tracer_provider in owned:
             self.tracer_provider = None
@@ -262,7 +355,8 @@ class OtelSink:
             )
 
     def __repr__(self) -> str:
-        return f"OtelSink(spans={self.spans!r}, module_depth={self.module_depth})"
+        more = f", stragglers=True, merge_rank={self.merge_rank}" if self.stragglers else ""
+        return f"OtelSink(spans={self.spans!r}, module_depth={self.module_depth}{more})"
 
 
 class PrometheusMeterProvider(MeterProvider):

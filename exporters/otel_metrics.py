@@ -69,12 +69,19 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
         "gauge",
         "1",
         "The last captured step's straggler (tl_dist.step_facts.straggler: the rank the others waited for "
-        "longest); -1 when nobody waited. Set by a caller that sees every rank (the Lightning callback).",
+        "longest); -1 when nobody waited. Set by a caller that sees every rank: the Lightning callback, or "
+        "OtelSink(stragglers=True) on the rank that merges each step.",
     ),
     "tl.step.straggler_wait": (
         "gauge",
         "s",
         "How long the others waited for the last captured step's straggler (0 when nobody waited).",
+    ),
+    "tl.step.straggler_unknown": (
+        "counter",
+        "{step}",
+        "Captured steps whose straggler OtelSink(stragglers=True) could not compute: a rank's shard did not "
+        "arrive within merge_wait_s, or the merge failed.",
     ),
     "tl.collective.busbw": (
         "gauge",
@@ -129,6 +136,10 @@ class WindowMetrics:
         attrs = self._attributes(("rank",))
         self.instruments["tl.step.straggler_rank"].set(late[0] if late is not None else -1, attrs)
         self.instruments["tl.step.straggler_wait"].set(late[1] * 1e-9 if late is not None else 0.0, attrs)
+
+    def straggler_unknown(self) -> None:
+        """Count a captured step whose straggler could not be computed (``tl.step.straggler_unknown``)."""
+        self.instruments["tl.step.straggler_unknown"].add(1, self._attributes(("rank",)))
 
     def record(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
         rank = int(trace.metadata.get("rank", 0))

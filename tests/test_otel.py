@@ -395,6 +395,9 @@ def test_close_leaves_callers_providers_alone():
             {"resource": ["service.name"]},
             "resource must be an opentelemetry.sdk.resources.Resource or a mapping",
         ),
+        ({"stragglers": 1}, "stragglers must be a bool"),
+        ({"merge_rank": -1}, "merge_rank must be an int >= 0"),
+        ({"merge_wait_s": 0}, "merge_wait_s must be a number of seconds > 0"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, match):

@@ -220,3 +220,19 @@ def test_two_gloo_ranks_write_to_s3_and_merge_from_it(store, tmp_path):
     g = tl.merge_ranks("s3://bkt/ddp")
     assert (g.ranks, g.steps, g.findings) == ([0, 1], [1], [])
     assert list(g.collectives.verdict) == ["matched"] and list(g.collectives.func) == ["all_reduce"]
+
+
+def test_exists_sees_an_object_another_client_wrote_after_a_listing(store):
+    # What OtelSink(stragglers=True) relies on while it waits for the other ranks' shards: s3fs would answer
+    # from its cached listing of the folder that the object is missing.
+    import fsspec
+
+    from tl_dist.store import location
+
+    mine = fsspec.filesystem("s3")
+    mine.pipe("bkt/seen/rank00001/step00000000.h5", b"x")
+    mine.ls("bkt/seen/rank00001")  # cached: step00000000.h5 only
+    url = "s3://bkt/seen/rank00001/step00000001.h5"
+    assert not location.exists(url)
+    fsspec.filesystem("s3", skip_instance_cache=True).pipe(url, b"y")  # another rank's client
+    assert location.exists(url)

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,18 @@ import pandas as pd
 from .errors import MissingToolError
 from .merge import MergedTrace, merge_ranks
 from .merge.draw import merged_source
+from .step_facts import straggler
 from .store import shard_path
 from .views.draw import GRAPHVIZ_HINT
 
-__all__ = ["MAX_DRAWN_NODES", "RunOutputs", "draw_last_step", "findings_table", "finish_run"]
+__all__ = [
+    "MAX_DRAWN_NODES",
+    "RunOutputs",
+    "draw_last_step",
+    "findings_table",
+    "finish_run",
+    "step_straggler",
+]
 
 log = logging.getLogger("tl_dist")
 MAX_DRAWN_NODES = 5_000
@@ -153,3 +161,20 @@ def findings_table(findings: Iterable[Any]) -> str:
         columns=["step", "kind", "ranks", "message"],
     )
     return frame.to_string(index=False)
+
+
+def step_straggler(shards: Sequence[str | os.PathLike], step: int) -> tuple[int, int] | None:
+    """The straggler of one captured step from every rank's shard of it: :func:`tl_dist.step_facts.straggler`
+    of the merge's own ``stragglers()`` over that step alone -- clocks are aligned per step, so it is what
+    ``tl.merge_ranks`` of the whole run says for the step. ``(rank, wait_ns)``, or None when nobody waited
+    beyond the clock uncertainty. ``OtelSink(stragglers=True)`` runs it on one rank as the steps come.
+
+    Raises:
+        MergeError: a shard is missing or unreadable.
+
+    Example:
+        >>> step_straggler([shard_path("runs/job42", r, 100) for r in range(8)], 100)
+        (3, 30000000)
+    """
+    frame = merge_ranks(list(shards), steps=[step]).stragglers()
+    return straggler(frame[frame.step == step].to_dict("records"))

@@ -213,13 +213,26 @@ OUTSIDE = "(outside modules)"
 """The module name of ops that ran outside every module call (a loss computed at top level, the optimizer)."""
 
 
-def module_name(op: Any) -> str:
-    """How views name an op's module (an op, a failed-op record or a row with ``module``/``module_stack``):
-    its address, ``<root>`` for the root module, :data:`OUTSIDE` outside every module."""
+def module_address(op: Any) -> str | None:
+    """The owner module of an op, a failed-op record or a row with ``module``/``module_stack`` -- the one rule
+    every view uses (:func:`module_name` names it, the drawings place a collective in its call): its address,
+    ``""`` for the root module, None outside every module.
+
+    Example:
+        >>> module_address({"module": "module.2", "module_stack": ("", "module", "module.2")})
+        'module.2'
+    """
     get = op.get if isinstance(op, dict) else lambda k, d=None: getattr(op, k, d)
     if not get("module_stack", None):
-        return get("module", "") or OUTSIDE
-    return get("module", "") or ROOT
+        return get("module", "") or None
+    return get("module", "") or ""
+
+
+def module_name(op: Any) -> str:
+    """How views name an op's module (:func:`module_address`): its address, ``<root>`` for the root module,
+    :data:`OUTSIDE` outside every module."""
+    address = module_address(op)
+    return OUTSIDE if address is None else address or ROOT
 
 
 # Dense peak FLOP/s by (device name fragment, dtype) from the vendors' data sheets (no sparsity). The first

@@ -2,7 +2,7 @@
 
 Every time is in nanoseconds here; :mod:`.page` turns them into tables and plots. Ops are counted in the
 module they are drawn in (:func:`tl_dist.views.graph.home_calls`): backward ops in their forward op's module,
-optimizer ops in their parameters' module.
+optimizer ops in their parameters' module, collectives in their owner module.
 
 Example:
     >>> run = Run.of(tl.merge_ranks("runs/job42"))

@@ -86,10 +86,13 @@ def key(target: str | os.PathLike) -> str:
 
 
 def exists(target: str | os.PathLike) -> bool:
-    """Whether the file or folder (path or URL) exists."""
+    """Whether the file or folder (path or URL) exists now: a URL is looked up afresh, not in the listings
+    fsspec cached (s3fs answers from a cached listing of the folder, taken before another process wrote the
+    object, that it is missing: a poller waiting for another rank's shard would wait forever)."""
     if not is_url(target):
         return Path(target).exists()
     fs, path = _filesystem(str(target))
+    fs.invalidate_cache(path)
     return bool(fs.exists(path))
 
 

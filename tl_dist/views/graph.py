@@ -5,9 +5,14 @@ Rules (``docs/views.md`` says the same for users):
 
 - Each op is drawn in a module call, its *home*: a forward op in the call that ran it; a backward op in the call
   of its forward op (``fwd_op``), or, when it has none (gradient hooks, DDP's bucket copies), in its first
-  parent's home; an optimizer op in the call of the module owning the parameters it updates. Collectives keep
-  their own call (usually none: top level), so they stay visible for the cross-rank edges of a merged drawing.
-- A call nested deeper than ``depth`` collapses, with its whole subtree and every phase of its ops, into one node.
+  parent's home; an optimizer op in the call of the module owning the parameters it updates. A collective in
+  the call of its owner module, the one rule every view names it by (:func:`tl_dist.schema.module_address`:
+  DDP's gradient all_reduce in the module whose backward made the bucket ready): its own call when it ran in
+  one, else the owner's first call (of its nearest called ancestor), else top level.
+- A call nested deeper than ``depth`` collapses, with its whole subtree and every phase of its ops, into one node;
+  but a collective keeps its own node (a merged drawing joins it across ranks): a collapsed call owning
+  collectives is a cluster holding its collapsed node and, in the nested clusters of their owner calls, its
+  collectives.
 - Bookkeeping ops (views, ``detach``, allocations, profiler markers) get no node unless ``show_all``; the edges
   through them are kept (an op reading a view of ``x`` gets an edge from ``x``'s producer).
 - One node per module owning parameters (or buffers) read by drawn ops (a module never called itself, such as
@@ -25,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..schema import PHASES
+from ..schema import PHASES, module_address
 from .summary import format_count, format_ns, format_shape
 
 if TYPE_CHECKING:
@@ -126,10 +131,14 @@ def home_calls(trace: Trace) -> list[int]:
 
     home = [-1] * len(trace)
     phases, fwd, own, kinds = cols["phase"], cols["fwd_op"], cols["module_call"], cols["kind"]
-    parents, params = cols["parents"], cols["params"]
+    parents, params, modules, stacks = cols["parents"], cols["params"], cols["module"], cols["module_stack"]
     for i in range(len(trace)):
         call = own[i]
-        if kinds[i] != "collective":
+        if kinds[i] == "collective":
+            if call < 0:  # no call of its own (a gradient hook's in backward): its owner module's
+                address = module_address({"module": modules[i], "module_stack": stacks[i]})
+                call = -1 if address is None else _host_call(address, first_call)
+        else:
             phase = phases[i]
             if phase == "backward" and fwd[i] >= 0:
                 call = home[fwd[i]]
@@ -258,6 +267,7 @@ def plan_graph(
     node_of_op: list[str | None] = [None] * len(trace)
     src: list[tuple[str, ...]] = [()] * len(trace)  # the nodes standing for each op's value
     members: dict[int, list[int]] = {}  # collapsed row -> its drawn ops
+    opened: set[int] = set()  # collapsed rows owning a collective: a cluster around their node
     param_names: dict[str, dict[str, None]] = {}  # params node -> parameter names read
     param_key: dict[str, str] = {}  # owning module's address -> its params node
     first_call = _first_calls(trace)
@@ -304,7 +314,11 @@ def plan_graph(
         ops_drawn += 1
         h = home[i]
         v = visible_call[h] if h >= 0 else -1
-        if v in collapsed:
+        absorbed = v in collapsed and kinds[i] != "collective"
+        if v in collapsed and not absorbed:
+            opened.add(v)
+            v = h  # a collective keeps its node, in its owner's cluster: the collapsed call's or one inside it
+        if absorbed:
             name = f"m{v}"
             members.setdefault(v, []).append(i)
         elif show_all or not is_bookkeeping(funcs[i], atens[i], kinds[i]):
@@ -344,7 +358,8 @@ def plan_graph(
             f"{format_ns(sum(durations[i] for i in ops))}, {format_count(flops, 'FLOP')}"
         )
         parent = parent_of[row]
-        nodes[f"m{row}"] = Node(f"m{row}", "module", visible_call[parent] if parent >= 0 else -1, text)
+        cluster = row if row in opened else visible_call[parent] if parent >= 0 else -1
+        nodes[f"m{row}"] = Node(f"m{row}", "module", cluster, text)
     for key, names in param_names.items():
         owner = nodes[key].cluster
         prefix = f"{table['address'][owner]}." if owner >= 0 and table["address"][owner] else ""
