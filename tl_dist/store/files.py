@@ -94,6 +94,16 @@ def write_merged(
     return path
 
 
+def _open_merged_file(path: str) -> Any:
+    """``path`` open read-only with h5py, or the ShardFormatError naming it (missing, or not HDF5)."""
+    if not os.path.isfile(path):
+        raise ShardFormatError(f"{path}: no such merged-trace file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise ShardFormatError(f"{path}: not a readable HDF5 file: {exc}") from exc
+
+
 def read_merged(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The root attributes of a merged-trace file and each ``/shards`` group's attributes, by group name.
 
@@ -101,12 +111,7 @@ def read_merged(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, dict
         ShardFormatError: the file is missing, not HDF5, not a merged trace, or from a newer schema.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ShardFormatError(f"{path}: no such merged-trace file")
-    try:
-        root = h5py.File(path, "r")
-    except OSError as exc:
-        raise ShardFormatError(f"{path}: not a readable HDF5 file: {exc}") from exc
+    root = _open_merged_file(path)
     try:
         with root:
             if root.attrs.get("encoding-type") != MERGED_ENCODING:
@@ -133,12 +138,7 @@ def open_group(path: str | os.PathLike, name: str) -> Iterator[Any]:
         ShardFormatError: the file is missing or not readable HDF5, or has no such group (names the file).
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ShardFormatError(f"{path}: no such merged-trace file")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise ShardFormatError(f"{path}: not a readable HDF5 file: {exc}") from exc
+    f = _open_merged_file(path)
     with f:
         try:
             group = f["shards"][name]
