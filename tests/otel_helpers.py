@@ -122,3 +122,15 @@ def world_of_one():
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def prometheus_samples(text, name):
+    """(labels, value) of every sample ``name`` in a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (dict(s.labels), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    ]

@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 import torch
 from dist_helpers import run_ranks
+from otel_helpers import prometheus_samples as _samples
 
 import tl_dist as tl
 from tl_dist.step_facts import straggler
@@ -63,17 +64,6 @@ def _job(rank, world_size, out, root):
     assert tl.disarm()
     prom.shutdown()
     return {"found": found, "scrape": scrape, "waited": waited, "errors": tl.sink_stats().errors}
-
-
-def _samples(text, name):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [
-        (dict(s.labels), s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    ]
 
 
 @pytest.fixture(params=["folder", "s3"])

@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 import torch
 from dist_helpers import run_ranks
+from otel_helpers import prometheus_samples as _samples
 
 import tl_dist as tl
 from tl_dist.cli import main
@@ -95,18 +96,6 @@ def _job(rank, world_size, out):
     tl.disarm()
     prom.shutdown()
     return result
-
-
-def _samples(text, name):
-    """(labels, value) of every sample ``name`` in a Prometheus text exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [
-        (dict(s.labels), s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    ]
 
 
 @pytest.fixture(scope="module")
