@@ -203,3 +203,44 @@ def test_stats_true_skips_views_copies_and_uninitialised_memory():
     assert {a for i in skipped for a in trace[i].output_of} == {"0", "2", ""}
     assert all(trace[i].output_of for i in skipped)
     assert trace["randn_1"].stats["out"]["nan"] == 0  # a factory op inside the window: the input, counted
+
+
+class _Wide(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x * 3 - 1)
+        if getattr(self, "boom", False):
+            raise RuntimeError("boom")
+        return y.sum()
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_stats_under_sleeping_omp_threads_are_exact_and_leave_the_thread_count(monkeypatch, raises):
+    """With OMP_WAIT_POLICY=PASSIVE the statistics of tensors below a million elements are reduced on the
+    calling thread alone (waking sleeping OpenMP threads costs more than the reduction): the values are those
+    of the tensor, and the caller's torch thread count is what it was, also when the model raises."""
+    import tl_dist.training as training
+
+    monkeypatch.setattr(training, "_SLEEPING_OMP_THREADS", True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = _Wide()
+        model.boom = raises
+        x = torch.randn(4, 128, 256)  # 131,072 elements: below the one-thread bound, above ATen's grain size
+        seen = []
+        real = training._host_stats
+        monkeypatch.setattr(
+            training, "_host_stats", lambda t, n: seen.append(torch.get_num_threads()) or real(t, n)
+        )
+        try:
+            with tl.Capture(save=True, stats=True) as cap:
+                model(x)
+        except RuntimeError:
+            assert raises
+        assert torch.get_num_threads() == 2
+        assert seen and set(seen) == {1}
+        if not raises:
+            relu = cap.trace["relu_1"]
+            _assert_stats_equal(relu.stats["out"], _direct(torch.relu(x * 3 - 1)), "relu_1")
+    finally:
+        torch.set_num_threads(before)
