@@ -267,7 +267,12 @@ class OtelSink:
             return
         if self._watch is None:
             self._watch = StragglerWatch(self._merged, wait_s=self.merge_wait_s)
-        self._watch.submit(str(shard), int(metadata.get("step", 0)), int(metadata.get("world_size", 1)))
+        self._watch.submit(
+            str(shard),
+            int(metadata.get("step", 0)),
+            int(metadata.get("world_size", 1)),
+            str(metadata.get("job_nonce") or ""),
+        )
 
     def _merged(self, result: StepStraggler) -> None:
         """A step's merge (on the watch's thread): the gauges, or the step counted as unknown."""

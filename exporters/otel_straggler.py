@@ -5,7 +5,8 @@ each captured step once every rank's shard of it is in the run folder, with the 
 to that step (:func:`tl_dist.pipeline.step_straggler`: ``tl.merge_ranks(shards).stragglers()`` through
 :func:`tl_dist.step_facts.straggler`), and the sink sets its ``tl.step.straggler_rank`` /
 ``tl.step.straggler_wait`` gauges from the result. Never a per-rank guess: a step whose shards do not all
-arrive within ``wait_s`` is reported as such (``missing``), not computed.
+arrive within ``wait_s`` is reported as such (``missing``), not computed. A shard left in a reused run folder
+by another job (its ``job_nonce`` differs from this job's) has not arrived: the watch waits for this job's.
 
 It runs on a thread of its own, so neither the training thread nor tl_dist's sink worker (which writes the
 shards) ever waits for the other ranks. Shards on an fsspec URL are found and read through the store
@@ -13,7 +14,7 @@ shards) ever waits for the other ranks. Shards on an fsspec URL are found and re
 
 Example:
     >>> watch = StragglerWatch(print, wait_s=60.0)
-    >>> watch.submit("runs/job42/rank00000/step00000100.h5", step=100, world_size=8)
+    >>> watch.submit("runs/job42/rank00000/step00000100.h5", step=100, world_size=8, job_nonce="3f2a...")
     >>> watch.close(5.0)   # StepStraggler(step=100, late=(3, 30000000), missing=(), error='')
 """
 
@@ -26,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tl_dist.errors import TlDistError
 from tl_dist.pipeline import step_straggler
-from tl_dist.store import location, shard_path
+from tl_dist.store import location, read_metadata, shard_path
 
 KEEP = 64
 """Steps whose results :attr:`StragglerWatch.results` keeps (the latest)."""
@@ -75,20 +77,23 @@ class StragglerWatch:
         self.wait_s = wait_s
         self.poll_s = poll_s
         self.results: collections.OrderedDict[int, StepStraggler] = collections.OrderedDict()
-        self._pending: collections.deque[tuple[int, str | Path, int, float]] = collections.deque()
+        self._pending: collections.deque[tuple[int, str | Path, int, str, float]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self._abandoned = False
         self._busy = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, shard: str, step: int, world_size: int) -> None:
-        """Watch for every rank's shard of ``step``, in the run folder of this rank's ``shard``."""
+    def submit(self, shard: str, step: int, world_size: int, job_nonce: str = "") -> None:
+        """Watch for every rank's shard of ``step``, in the run folder of this rank's ``shard``, written by the
+        job ``job_nonce`` names (this window's ``trace.metadata["job_nonce"]``; '' takes any shard)."""
         dropped = None
         with self._cond:
             if len(self._pending) >= MAX_PENDING:
                 dropped = self._pending.popleft()
-            self._pending.append((step, run_root(shard), world_size, time.monotonic() + self.wait_s))
+            self._pending.append(
+                (step, run_root(shard), world_size, job_nonce, time.monotonic() + self.wait_s)
+            )
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tl_dist-stragglers", daemon=True)
                 self._thread.start()
@@ -128,21 +133,23 @@ class StragglerWatch:
                     self._busy = False
                     self._cond.notify_all()
                     return
-                step, root, world_size, deadline = self._pending.popleft()
+                step, root, world_size, nonce, deadline = self._pending.popleft()
                 self._busy = True
-            result = self._merge(step, root, world_size, deadline)
+            result = self._merge(step, root, world_size, nonce, deadline)
             if result is not None:
                 self._done(result)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _merge(self, step: int, root: str | Path, world_size: int, deadline: float) -> StepStraggler | None:
+    def _merge(
+        self, step: int, root: str | Path, world_size: int, nonce: str, deadline: float
+    ) -> StepStraggler | None:
         shards = [shard_path(root, r, step) for r in range(world_size)]
         missing = list(range(world_size))
         poll = self.poll_s
         while True:
-            missing = [r for r in missing if not location.exists(shards[r])]
+            missing = [r for r in missing if not _arrived(shards[r], nonce)]
             left = deadline - time.monotonic()
             if not missing or left <= 0:
                 break
@@ -166,3 +173,17 @@ class StragglerWatch:
             while len(self.results) > KEEP:
                 self.results.popitem(last=False)
         self.on_result(result)
+
+
+def _arrived(shard: str | Path, nonce: str) -> bool:
+    """Whether ``shard`` exists and was written by the job ``nonce`` names ('' takes any shard). One that cannot
+    be read yet counts as not arrived (shards appear whole, but a store may list a name before serving it)."""
+    if not location.exists(shard):
+        return False
+    if not nonce:
+        return True
+    try:
+        with location.reading(shard) as local:
+            return read_metadata(local).get("job_nonce", "") == nonce
+    except (TlDistError, OSError):  # not readable yet, or a transport failure: look again later
+        return False

@@ -24,7 +24,7 @@ SLEEP_S = 0.1  # well above the scheduling noise of ranks sharing 2 busy cores (
 STEPS = 3  # captured by both ranks; step STEPS by rank 0 only
 
 
-def _job(rank, world_size, out, root):
+def _job(rank, world_size, out, root, rank1_skips_last=True):
     import torch.distributed as dist
     from torch import nn
 
@@ -43,7 +43,7 @@ def _job(rank, world_size, out, root):
     for step in range(STEPS + 1):
         opt.zero_grad()
         dist.barrier()
-        if step == STEPS and rank == 1:  # rank 1 captures no window: its shard of this step never comes
+        if step == STEPS and rank == 1 and rank1_skips_last:  # its shard of this step never comes
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             continue
@@ -106,3 +106,24 @@ def test_rank_zero_sets_the_straggler_gauges_from_the_merge(tmp_path, run_root):
     assert [v for _, v in _samples(text, "tl_step_straggler_unknown_total")] == [1.0]
     # Rank 1 sets no gauge (it cannot know whom rank 0 waited for).
     assert _samples(results[1]["scrape"], "tl_step_straggler_rank") == []
+
+
+@pytest.mark.slow
+def test_a_shard_another_job_left_in_the_run_folder_is_not_merged(tmp_path):
+    """A run folder reused by a second job still holds the first job's shards. Rank 0 waits for this job's
+    shard of each step (the first job's has another job_nonce) and merges that one; the step this job's rank 1
+    never writes is unknown, although the first job's shard of it is there."""
+    root = str(tmp_path / "run")
+    first = run_ranks(_job, world_size=2, tmp_path=tmp_path / "first", timeout=120, args=(root, False))
+    assert first[0]["found"][STEPS][1:] == ([], "")  # the first job: both ranks wrote step STEPS
+    second = run_ranks(_job, world_size=2, tmp_path=tmp_path / "second", timeout=120, args=(root, True))
+    assert [r["errors"] for r in second] == [{}, {}]
+    found = second[0]["found"]
+    assert found[STEPS] == (None, [1], "")
+    g = tl.merge_ranks(
+        root, steps=range(STEPS)
+    )  # the folder now holds the second job's shards of these steps
+    strag = g.stragglers()
+    assert {s: found[s] for s in range(STEPS)} == {
+        s: (list(straggler(strag[strag.step == s].to_dict("records"))), [], "") for s in range(STEPS)
+    }

@@ -22,6 +22,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,21 @@ def _run_id(out_dir: Path | str | None, host: str) -> str:
     return f"{host}-{os.getpid()}"
 
 
+def _job_nonce() -> str:
+    """An id every rank of this job agrees on and no other job has ('' without a process group). ``run_id`` is
+    the same for two jobs that reuse a run folder; this tells their shards apart. The first rank to arm puts a
+    random id in the process group's rendezvous store and the others read it back: no collective, and no rank
+    waits for another to arm."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.compare_set("tl_dist/job_nonce", "", uuid.uuid4().hex).decode()
+    except Exception:  # noqa: BLE001 - a store without compare_set: shards then carry no nonce
+        return ""
+
+
 def _run_metadata(out_dir: Path | str | None) -> dict[str, Any]:
     """Rank, world size and backend from the default process group; rank 0 of world 1 without one."""
     rank, world, backend = 0, 1, ""
@@ -89,6 +105,7 @@ def _run_metadata(out_dir: Path | str | None) -> dict[str, Any]:
         "boot_id": _boot_id(),
         "pid": os.getpid(),
         "run_id": _run_id(out_dir, host),
+        "job_nonce": _job_nonce(),
         "torch_version": str(torch.__version__),
         "start_time_ns": time.time_ns(),
     }
