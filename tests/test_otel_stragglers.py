@@ -127,3 +127,10 @@ def test_a_shard_another_job_left_in_the_run_folder_is_not_merged(tmp_path):
     assert {s: found[s] for s in range(STEPS)} == {
         s: (list(straggler(strag[strag.step == s].to_dict("records"))), [], "") for s in range(STEPS)
     }
+    # The merge of the whole folder says which shard is the first job's: rank 1's of step STEPS, no other.
+    foreign = [f for f in tl.merge_ranks(root).findings if f.kind == "foreign_shard"]
+    assert [(f.step, f.ranks) for f in foreign] == [(STEPS, (1,))]
+    nonces = {r: tl.load(f"{root}/rank{r:05d}/step{STEPS:08d}.h5").metadata["job_nonce"] for r in (0, 1)}
+    assert nonces[0] != nonces[1] and foreign[0].where == {
+        1: {"job_nonce": nonces[1], "start_time_ns": foreign[0].where[1]["start_time_ns"]}
+    }

@@ -37,7 +37,7 @@ class MergedTrace:
         world_size: ranks in the job.
         steps: captured steps merged, ascending.
         findings: problems found (:class:`~tl_dist.merge.match.Finding`): per step, the shard-level ones
-            (``missing_rank``, ``unreadable_shard``, ``incomplete_shard``) first, then per group in issue order.
+            (``missing_rank``, ``unreadable_shard``, ``foreign_shard``, ``incomplete_shard``) first, then per group in issue order.
         incomplete: (step, rank) pairs whose shard was written at a crash, hang or signal.
         shard_errors: (step, rank) -> why that shard could not be read (``strict=False``).
 

@@ -134,7 +134,8 @@ class Finding:
 
     Attributes:
         kind: a verdict other than ``matched`` (see :mod:`tl_dist.merge.match`), ``missing_rank`` (no shard
-            for a rank of the world) or ``unreadable_shard`` (``strict=False`` only).
+            for a rank of the world), ``unreadable_shard`` (``strict=False`` only), ``foreign_shard`` (written by
+            another job) or ``incomplete_shard`` (the window ended early).
         step: the captured step (window) it belongs to.
         group: global ranks of the process group; ``()`` for rank-level findings.
         seq: the group's sequence number of the collective (the lowest among ranks); -1 when none.

@@ -65,7 +65,8 @@ def beside_note(step: int, ranks: list[int], given: GivenPaths | None) -> str:
 
 def shard_findings(step: int, data: dict[int, RankData], absent: set[int], run: RunFacts) -> list[Finding]:
     """Findings about the shards themselves: ``unreadable_shard``, ``missing_rank`` (with the last step that
-    rank wrote a shard for) and ``incomplete_shard`` (how its window ended, where its thread was)."""
+    rank wrote a shard for), ``foreign_shard`` (written by another job) and ``incomplete_shard`` (how its window
+    ended, where its thread was)."""
     out = []
     for r in sorted(absent):
         err = run.errors.get((step, r))
@@ -95,6 +96,7 @@ def shard_findings(step: int, data: dict[int, RankData], absent: set[int], run: 
                 + (", or its shards are elsewhere" if among else "")
             )
         out.append(Finding("missing_rank", step, (), -1, (r,), message, {r: where}))
+    out += foreign_shards(step, data)
     for r, d in sorted(data.items()):
         info = ended_info(d)
         if not info:
@@ -108,6 +110,27 @@ def shard_findings(step: int, data: dict[int, RankData], absent: set[int], run: 
         last = {f"last_{k}": v for k, v in d.last_op.items()}
         out.append(Finding("incomplete_shard", step, (), -1, (r,), message, {r: {**last, **info}}))
     return out
+
+
+def foreign_shards(step: int, data: dict[int, RankData]) -> list[Finding]:
+    """``foreign_shard``: the step's shards come from more than one job (a run folder reused by a second job
+    that did not overwrite every shard of the first). The job armed last is taken as the run's; the ranks whose
+    shard another job wrote are at fault. Shards without a ``job_nonce`` (no process group, older shards) are
+    not judged."""
+    nonces = {r: str(d.metadata.get("job_nonce") or "") for r, d in data.items()}
+    armed = {r: int(d.metadata.get("start_time_ns", 0)) for r, d in data.items()}
+    jobs = {n for n in nonces.values() if n}
+    if len(jobs) < 2:
+        return []
+    latest = max(jobs, key=lambda n: max(armed[r] for r in nonces if nonces[r] == n))
+    foreign = tuple(sorted(r for r, n in nonces.items() if n and n != latest))
+    message = (
+        f"the shard(s) of rank(s) {list(foreign)} for step {step} were written by another job than the others' "
+        f"(job_nonce {sorted({nonces[r] for r in foreign})} vs {latest!r}, armed earlier): the run folder was "
+        "reused and these ranks did not write this step again; their collectives are not this job's"
+    )
+    where = {r: {"job_nonce": nonces[r], "start_time_ns": armed[r]} for r in foreign}
+    return [Finding("foreign_shard", step, (), -1, foreign, message, where)]
 
 
 @dataclass
