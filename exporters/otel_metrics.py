@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry.metrics import CallbackOptions, Observation
+
 from tl_dist.telemetry import OUTSIDE
 
 from .otel_spans import collective_group, module_label
@@ -84,9 +86,10 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
         "arrive within merge_wait_s, or the merge failed.",
     ),
     "tl.collective.busbw": (
-        "gauge",
+        "observed_gauge",
         "By/s",
-        "Bus bandwidth (nccl-tests) of the last window's collectives, by kind and process group.",
+        "Bus bandwidth (nccl-tests) of the last window's collectives, by kind and process group (a kind the "
+        "last window did not complete has no point).",
     ),
     "tl.tensor.norm": (
         "gauge",
@@ -113,11 +116,24 @@ class WindowMetrics:
                 )
             elif kind == "counter":
                 inst = meter.create_counter(name, unit=unit, description=description)
+            elif kind == "observed_gauge":
+                # Read at each collection from the last window's values, so a series the last window does not
+                # have goes away (a synchronous gauge would repeat its last value forever).
+                inst = meter.create_observable_gauge(
+                    name, callbacks=[self._last_window(name)], unit=unit, description=description
+                )
             else:
                 inst = meter.create_gauge(name, unit=unit, description=description)
             self.instruments[name] = inst
         self._rank: int | None = None
         self._attrs: dict[tuple, dict[str, Any]] = {}
+        self._observed: dict[str, list[Observation]] = {}  # observed gauge -> the last window's points
+
+    def _last_window(self, name: str) -> Any:
+        def observe(options: CallbackOptions) -> list[Observation]:
+            return self._observed.get(name, [])
+
+        return observe
 
     def _attributes(self, key: tuple, **attrs: Any) -> dict[str, Any]:
         """One attribute dict per key, reused across windows."""
@@ -169,11 +185,13 @@ class WindowMetrics:
                 ("module", label, row.phase), **{"tl.module": label, "tl.phase": row.phase}
             )
             module_hist.record(row.duration_ns * 1e-9, attrs)
+        busbw = []
         for row in telemetry.collectives:
             attrs = self._collective_attributes(row.kind, row.group)
             inst["tl.collective.bytes"].add(row.bytes, attrs)
             if row.completed:
-                inst["tl.collective.busbw"].set(row.busbw, attrs)
+                busbw.append(Observation(row.busbw, attrs))
+        self._observed["tl.collective.busbw"] = busbw  # one assignment: a collection sees one window's points
         counted = set()
         for row in telemetry.nonfinite:
             label = module_label(row.module) if row.module != OUTSIDE else OUTSIDE

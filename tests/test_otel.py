@@ -336,6 +336,27 @@ def test_collective_span_and_metrics():
     assert mem.point("tl.collective.busbw", tl_collective_kind="all_reduce").value == 0
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_busbw_is_the_last_windows_only():
+    """A collective kind the last window did not complete has no busbw point: the gauge says what the last
+    window measured, not what some earlier one did (the bytes counter keeps counting)."""
+    mem = InMemory()
+    tl.arm(sinks=[mem.sink])
+    train_window(nn.Sequential(nn.Linear(4, 256), AllReduce()), torch.randn(8, 4), step=0)
+    assert tl.flush()
+    assert mem.point("tl.collective.busbw", tl_collective_kind="all_reduce").value == 0
+    assert [a["tl.collective.kind"] for a, _ in mem.metrics()["tl.collective.busbw"]] == ["all_reduce"]
+    train_window(nn.Sequential(nn.Linear(4, 256)), torch.randn(8, 4), step=1)
+    assert tl.flush()
+    assert mem.metrics().get("tl.collective.busbw", []) == []
+    assert mem.point("tl.collective.bytes", tl_collective_kind="all_reduce").value == 8 * 256 * 4
+    # Read twice, the same points: the gauge re-observes the last window at each collection.
+    train_window(nn.Sequential(nn.Linear(4, 256), AllReduce()), torch.randn(8, 4), step=2)
+    assert tl.flush()
+    for _ in range(2):
+        assert [a["tl.collective.kind"] for a, _ in mem.metrics()["tl.collective.busbw"]] == ["all_reduce"]
+
+
 def test_trace_id_is_shared_by_ranks_of_a_step():
     # Two sinks on their own providers stand for two ranks' processes: only (run id, step) decides the trace id.
     ranks = [InMemory(), InMemory()]
