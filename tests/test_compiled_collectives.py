@@ -299,3 +299,43 @@ def test_compiled_fsdp2_collectives_run_in_its_hooks_between_regions(tmp_path):
     merged = tl.merge_ranks(tmp_path / "run")
     assert merged.findings == []
     assert set(merged.collectives["verdict"]) == {"matched"} and len(merged.collectives) == 6
+
+
+@pytest.fixture
+def world_of_one():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_region_output_its_collective_wrote_can_be_written_in_place_after_it():
+    """A compiled function returning its all_reduce's buffer, then written in place in the window: the region's
+    collective writes are forgotten with the region, and the later in-place write is a write like any other."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    tl.watch_compiles()
+
+    @torch.compile
+    def doubled_sum(x):
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+
+    x = torch.randn(8)
+    doubled_sum(x)
+    with tl.capture() as cap:
+        y = doubled_sum(x)
+        y.add_(1)
+        z = y * 3
+    assert [(op.label, op.parents) for op in cap.trace] == [
+        ("all_reduce_1", ()),
+        ("compiled_inference_1", (0,)),
+        ("add__1", (1,)),
+        ("mul_1", (2,)),
+    ]
+    assert torch.equal(z, (x * 2 + 1) * 3)

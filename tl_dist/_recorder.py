@@ -403,7 +403,18 @@ class Recorder:
                 if owner is None or owner() is not storage:
                     self._written_storage[key] = weakref.ref(storage)
                     self._writes[key] = []
-                self._writes[key].append((index, lo, hi))
+                self._writes.setdefault(key, []).append((index, lo, hi))
+
+    def forget_writes(self, storages: set[int | None], ops: set[int]) -> None:
+        """Drop the in-place writes of ops ``ops`` into the storages keyed ``storages``: a compiled region's
+        collectives write into buffers of the region, which says nothing of the value read after it."""
+        for key in storages:
+            kept = [e for e in self._writes.get(key, ()) if e[0] not in ops]
+            if kept:
+                self._writes[key] = kept
+            else:
+                self._writes.pop(key, None)
+                self._written_storage.pop(key, None)
 
     def _written_since(self, t: Tensor, since: int) -> int:
         """The latest op after op ``since`` that wrote in place into memory ``t`` covers; -1 if none."""

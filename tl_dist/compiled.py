@@ -414,13 +414,7 @@ class RegionHook:
             record = recorder.replay_records.get(i)
             if record is not None:
                 record[4][:] = [None if t is None else t.clone() for t in record[4]]
-        writes = recorder._writes
-        for key in self._written:
-            kept = [e for e in writes.get(key, ()) if e[0] not in done]
-            if kept:
-                writes[key] = kept
-            else:
-                writes.pop(key, None)
+        recorder.forget_writes(self._written, done)
         self._written.clear()
 
     def table(self) -> dict[str, list]:
