@@ -70,6 +70,7 @@ class OpInfo:
         "counter_key",
         "comm",
         "call",
+        "tensor_lists",
     )
 
     def __init__(self, op: Any) -> None:
@@ -82,6 +83,11 @@ class OpInfo:
         schema = getattr(op, "_schema", None)
         # (position, name) of every argument the op writes into: relu_(self), add_(self), copy_(self), out=.
         self.mutated: tuple[tuple[int, str], ...] = ()
+        # Whether an argument may hold a list of tensors (cat, _foreach_*, index): the hot path walks the
+        # lists of only such ops; an op without a schema is walked in full.
+        self.tensor_lists = schema is None or any(
+            isinstance(a.type, torch.ListType) and "Tensor" in str(a.type) for a in schema.arguments
+        )
         if schema is not None:
             self.mutated = tuple(
                 (i, a.name)

@@ -130,6 +130,7 @@ class Recorder:
         self.phase = "forward"
         self.save_all = save is True
         self.save_selector = None if save is True or save is None else save
+        self.saving = save is not None  # True or a selector: outputs may be kept
         self.keep_graph = keep_graph
         self.saved: dict[int, list[Tensor | None]] = {}
         self.replay_records: dict[int, tuple[Any, tuple, dict, list, list]] = {}
@@ -152,7 +153,7 @@ class Recorder:
         self.comm = CollectiveLog(self)
         self.subclass_mode = SubclassMode(self)
         # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
-        self.pending: tuple[int, list[Tensor]] | None = None
+        self.pending: tuple[tuple, list[Tensor]] | None = None
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
         self.phases = PhaseTracker(self)
         self.step_source: str | None = None  # where the running optimizer.step() was called
@@ -165,22 +166,14 @@ class Recorder:
         info = cached[1] if cached is not None and cached[0] is func else op_info(func)
         if self.pending is not None:  # the previous op's outputs now have their grad_fn
             self.training.link_pending()
-        tensors: list[Tensor] = []
-        for a in args:
-            if isinstance(a, Tensor):
-                tensors.append(a)
-            elif type(a) is list or type(a) is tuple:
-                tensors += [b for b in a if isinstance(b, Tensor)]
-        if kwargs:
-            for a in kwargs.values():
-                if isinstance(a, Tensor):
-                    tensors.append(a)
-                elif type(a) is list or type(a) is tuple:
-                    tensors += [b for b in a if isinstance(b, Tensor)]
+        if info.tensor_lists:
+            tensors = _tensors_in(args, kwargs)
+        else:
+            tensors = [a for a in args if isinstance(a, Tensor)]
+            if kwargs:
+                tensors += [a for a in kwargs.values() if isinstance(a, Tensor)]
 
         token = self.token
-        params = self.params
-        srcs: list[tuple[int, int] | None] = []
         parents: dict[int, None] = {}
         param_names: list[str] = []
         writes = self._writes
@@ -192,16 +185,14 @@ class Recorder:
                     # An alias of t was written in place after t was made (v = y.view(..); y.relu_(); v * 2):
                     # t's value now comes from that write, and t's producer no longer holds it.
                     parents[writer] = None
-                    srcs.append(None)
-                else:
-                    srcs.append((tag[1], tag[2]))
             else:
-                srcs.append(None)
-                name = params.get(id(t))
+                name = self.params.get(id(t))
                 if name is not None:
                     param_names.append(name)
                 if writes and (writer := self._written_since(t, -1)) >= 0:
                     parents[writer] = None  # e.g. a parameter the optimizer updated earlier in the window
+        # Where each input's value comes from, for replay; built only when outputs may be saved.
+        srcs = self._sources(tensors) if self.saving else None
 
         if subclass and self.comm.unlinked >= 0 and _grad_enabled():
             # The first subclass op since a forward collective: the autograd nodes between them (DTensor's
@@ -248,26 +239,26 @@ class Recorder:
         if outs:
             first = outs[0]
             dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
-            device = DEVICE_NAMES.get(first.device) or device_name(first.device)
+            device = "cpu" if first.is_cpu else DEVICE_NAMES.get(first.device) or device_name(first.device)
             if len(outs) == 1:
                 out_shapes = (tuple(first.shape),)
                 out_bytes = first.nelement() * first.element_size()
-                setattr(first, _TAG, (token, index, 0))
+                link = (token, index, 0)  # its tag, and the link of its autograd node (see link_pending)
+                setattr(first, _TAG, link)
             else:
                 out_shapes = tuple([tuple(o.shape) for o in outs])
                 out_bytes = 0
                 for pos, o in enumerate(outs):
                     out_bytes += o.nelement() * o.element_size()
                     setattr(o, _TAG, (token, index, pos))
+                link = (token, index)
             kind = info.kind if tensors or info.kind == "collective" else "factory"
         else:
             dtype = device = ""
             out_bytes = 0
             out_shapes = ()
             kind = info.kind if info.kind == "collective" else "other"
-        flops = 0
-        if info.flop_fn is not None:
-            flops = flop_count(info, args, kwargs, out)
+        flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
         modules = self.modules
         task = _graph_task_id()
         if task == -1:
@@ -333,16 +324,27 @@ class Recorder:
             outs = self.comm.record(index, info.comm, args, kwargs, out, outs, t0, t1)
         if outs:
             if _grad_enabled():
-                self.pending = (index, outs)
+                self.pending = (link, outs)
             if self.stats_on:
                 self.training.out_stats(index, outs, row)
         self.n_ops = index + 1
 
-        if outs and (
-            self.save_all or (self.save_selector is not None and self.save_selector.match(RowView(row)))
-        ):
+        if self.saving and outs and (self.save_all or self.save_selector.match(RowView(row))):
             self._save(index, outs, func, args, kwargs, tensors, srcs, pre_write)
         return out
+
+    def _sources(self, tensors: list[Tensor]) -> list[tuple[int, int] | None]:
+        """(op, output position) each input's value comes from, None for a tensor made outside the window or
+        one whose memory an in-place op wrote after its producer made it (see the parents in :meth:`on_op`)."""
+        token = self.token
+        srcs: list[tuple[int, int] | None] = []
+        for t in tensors:
+            tag = getattr(t, _TAG, None)
+            if tag is None or tag[0] != token or (self._writes and self._written_since(t, tag[1]) >= 0):
+                srcs.append(None)
+            else:
+                srcs.append((tag[1], tag[2]))
+        return srcs
 
     # -- saving -------------------------------------------------------------------------------------------
     def _save(
@@ -376,13 +378,15 @@ class Recorder:
                 watch(t, (index, 1, k))
         self.replay_records[index] = (func, args, kwargs, srcs, consts)
 
-    def _before_write(self, written: list[Tensor], tensors: list, srcs: list) -> dict[int, Tensor] | None:
+    def _before_write(
+        self, written: list[Tensor], tensors: list, srcs: list | None
+    ) -> dict[int, Tensor] | None:
         """Before an in-place op runs: copy saved tensors it would overwrite and, when saving, return the value
         of each untracked tensor it writes (a buffer's ``add_``) by argument slot: replay info is built after
         the op ran and must hold what the op read, not what it wrote."""
         if self._storage_refs:
             self._copy_before_write(written)
-        if self.save_all or self.save_selector is not None:
+        if srcs is not None:
             ids = {id(t) for t in written}
             pre = {
                 k: _clone_strided(t.detach())
@@ -395,15 +399,19 @@ class Recorder:
     def _note_writes(self, index: int, written: list[Tensor]) -> None:
         self._last_write = index
         for t in written:
-            lo, hi = _byte_extent(t)
             key = storage_key(t)
-            if hi > lo and key is not None:
-                storage = t.untyped_storage()
-                owner = self._written_storage.get(key)
-                if owner is None or owner() is not storage:
-                    self._written_storage[key] = weakref.ref(storage)
-                    self._writes[key] = []
-                self._writes.setdefault(key, []).append((index, lo, hi))
+            if key is None:
+                continue
+            lo, hi = _byte_extent(t)
+            if hi <= lo:
+                continue
+            storage = t.untyped_storage()
+            owner = self._written_storage.get(key)
+            if owner is None or owner() is not storage:
+                self._written_storage[key] = weakref.ref(storage)
+                self._writes[key] = [(index, lo, hi)]
+            else:
+                self._writes[key].append((index, lo, hi))
 
     def forget_writes(self, storages: set[int | None], ops: set[int]) -> None:
         """Drop the in-place writes of ops ``ops`` into the storages keyed ``storages``: a compiled region's
@@ -555,6 +563,17 @@ class Recorder:
             for index, start, end in self.cuda_events:
                 durations[index] = int(start.elapsed_time(end) * 1e6)
         return columns
+
+
+def _tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among an op's arguments, those in list arguments (``cat``'s, ``_foreach_*``'s) included."""
+    tensors: list[Tensor] = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, Tensor):
+            tensors.append(a)
+        elif type(a) is list or type(a) is tuple:
+            tensors += [b for b in a if isinstance(b, Tensor)]
+    return tensors
 
 
 def _byte_extent(t: Tensor) -> tuple[int, int]:

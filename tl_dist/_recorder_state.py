@@ -30,7 +30,7 @@ class RecorderState(Protocol):
     phase: str
     step_source: str | None  # where the running optimizer.step() was called
     rows: list[tuple]
-    pending: tuple[int, list[torch.Tensor]] | None  # the last op's index and outputs, until the next op
+    pending: tuple[tuple, list[torch.Tensor]] | None  # the last op's link (token, index, ...) and outputs
     output_of: dict[int, list[str]]  # op index -> modules whose output it produced
     locate: SourceLocator | None
     modules: ModuleState

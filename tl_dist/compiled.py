@@ -239,6 +239,7 @@ def _region_info(record: GraphRecord | None, key: str, backward: bool) -> OpInfo
     info.flops_from_shapes = False
     info.mutated = ()
     info.nondeterministic = False
+    info.tensor_lists = True  # a region takes its inputs as one list
     info.counter_key = info.func
     info.comm = None
     return info

@@ -331,18 +331,18 @@ class TrainingState:
     def link_pending(self) -> None:
         """Tags the autograd nodes of the previous op's outputs with that op; adds gradient hooks if selected."""
         rec = self.rec
-        index, outs = rec.pending
+        link, outs = rec.pending  # link: (token, op index, ...), the op's tag when it has one output
         rec.pending = None
-        token = rec.token
+        token = link[0]
         if not self.hooks_on and len(outs) == 1:  # the common case, kept short: it runs for every op
             node = outs[0].grad_fn
             if node is not None:
                 meta = node.metadata
                 old = meta.get(_KEY)
                 if old is None or old[0] is not token:
-                    meta[_KEY] = (token, index)
+                    meta[_KEY] = link
             return
-        link = (token, index)
+        index = link[1]
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         for pos, o in enumerate(outs):
             node = o.grad_fn
