@@ -32,7 +32,7 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
     "tl.op.time": (
         "counter",
         "s",
-        "Summed duration of the ops of each op func and phase (one add per window and series).",
+        "Summed duration of the ops of each op func and phase.",
     ),
     "tl.op.calls": ("counter", "{call}", "Number of ops of each op func and phase."),
     "tl.op.flops": (
@@ -106,6 +106,10 @@ class WindowMetrics:
     def __init__(self, meter: Any, *, module_depth: int) -> None:
         self.module_depth = module_depth
         self.instruments: dict[str, Any] = {}
+        # counter -> attribute key -> [attributes, running total]
+        self._totals: dict[str, dict[tuple, list]] = {
+            name: {} for name, (kind, _, _) in INSTRUMENTS.items() if kind == "counter"
+        }
         for name, (kind, unit, description) in INSTRUMENTS.items():
             if kind == "histogram":
                 inst = meter.create_histogram(
@@ -115,7 +119,11 @@ class WindowMetrics:
                     explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S,
                 )
             elif kind == "counter":
-                inst = meter.create_counter(name, unit=unit, description=description)
+                # Observed at each collection from totals kept here: a window adds to plain numbers, and the
+                # SDK's per-measurement work (~5-10 µs an add) runs once per series and export, not per window.
+                inst = meter.create_observable_counter(
+                    name, callbacks=[self._cumulative(name)], unit=unit, description=description
+                )
             elif kind == "observed_gauge":
                 # Read at each collection from the last window's values, so a series the last window does not
                 # have goes away (a synchronous gauge would repeat its last value forever).
@@ -134,6 +142,23 @@ class WindowMetrics:
             return self._observed.get(name, [])
 
         return observe
+
+    def _cumulative(self, name: str) -> Any:
+        totals = self._totals[name]
+
+        def observe(options: CallbackOptions) -> list[Observation]:
+            # list() copies the entries in one step under the GIL: the sink worker may add a series meanwhile.
+            return [Observation(total, attrs) for attrs, total in list(totals.values())]
+
+        return observe
+
+    def _add(self, name: str, value: float, key: tuple, **attrs: Any) -> None:
+        """Add ``value`` to counter ``name``'s series ``key`` (its attributes ``attrs`` and ``tl.rank``)."""
+        entry = self._totals[name].get(key)
+        if entry is None:
+            self._totals[name][key] = [self._attributes(key, **attrs), value]
+        else:
+            entry[1] += value
 
     def _attributes(self, key: tuple, **attrs: Any) -> dict[str, Any]:
         """One attribute dict per key, reused across windows."""
@@ -155,12 +180,14 @@ class WindowMetrics:
 
     def straggler_unknown(self) -> None:
         """Count a captured step whose straggler could not be computed (``tl.step.straggler_unknown``)."""
-        self.instruments["tl.step.straggler_unknown"].add(1, self._attributes(("rank",)))
+        self._add("tl.step.straggler_unknown", 1, ("rank",))
 
     def record(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
         rank = int(trace.metadata.get("rank", 0))
         if rank != self._rank:
             self._rank, self._attrs = rank, {}
+            for totals in self._totals.values():  # series of another rank's attributes end
+                totals.clear()
         inst = self.instruments
         self._record_collectives(trace)
         if telemetry is None:  # summarising failed (logged by the worker): only collective durations go out
@@ -173,7 +200,7 @@ class WindowMetrics:
             inst["tl.step.mfu"].set(telemetry.mfu, rank_only)
         for phase, flops in telemetry.flops.items():
             if flops or telemetry.op_ns.get(phase):
-                inst["tl.step.flops"].add(flops, self._attributes(("phase", phase), **{"tl.phase": phase}))
+                self._add("tl.step.flops", flops, ("phase", phase), **{"tl.phase": phase})
         depth_of = self._depths(trace)
         deep = self.module_depth
         module_hist = inst["tl.module.duration"]
@@ -188,15 +215,24 @@ class WindowMetrics:
         busbw = []
         for row in telemetry.collectives:
             attrs = self._collective_attributes(row.kind, row.group)
-            inst["tl.collective.bytes"].add(row.bytes, attrs)
+            self._add(
+                "tl.collective.bytes",
+                row.bytes,
+                ("collective", row.kind, row.group),
+                **{"tl.collective.kind": row.kind, "tl.collective.group": row.group},
+            )
             if row.completed:
                 busbw.append(Observation(row.busbw, attrs))
         self._observed["tl.collective.busbw"] = busbw  # one assignment: a collection sees one window's points
         counted = set()
         for row in telemetry.nonfinite:
             label = module_label(row.module) if row.module != OUTSIDE else OUTSIDE
-            attrs = self._attributes(("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of})
-            inst["tl.nonfinite"].add(row.count, attrs)
+            self._add(
+                "tl.nonfinite",
+                row.count,
+                ("nonfinite", label, row.of),
+                **{"tl.module": label, "tl.of": row.of},
+            )
             counted.add((label, row.of))
         norm = inst["tl.tensor.norm"]
         for row in telemetry.norms:
@@ -206,10 +242,9 @@ class WindowMetrics:
             if (label, row.of) not in counted:
                 # Every module with statistics has its non-finite series from its first window, at 0: a
                 # counter's first sample is no increase to Prometheus, so a first NaN would never alert.
-                attrs = self._attributes(
-                    ("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of}
+                self._add(
+                    "tl.nonfinite", 0, ("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of}
                 )
-                inst["tl.nonfinite"].add(0, attrs)
             if not math.isfinite(row.norm):
                 continue  # a NaN/Inf norm is what tl.nonfinite counts (the SDK refuses non-finite gauges)
             norm.set(
@@ -217,22 +252,16 @@ class WindowMetrics:
             )
 
     def _record_funcs(self, telemetry: StepTelemetry) -> None:
-        """Per (op func, phase), from the window's summary: one add per series and window, never one per op
-        (the SDK takes ~10 µs a measurement: a per-op histogram cost more than the rest of the export)."""
-        inst = self.instruments
-        add_time, add_calls, add_flops = (
-            inst["tl.op.time"].add,
-            inst["tl.op.calls"].add,
-            inst["tl.op.flops"].add,
-        )
+        """Per (op func, phase), from the window's summary: added to the totals the counters report (see
+        :meth:`_cumulative`), never one SDK measurement per op."""
+        add = self._add
         for row in telemetry.funcs:
-            attrs = self._attributes(
-                ("func", row.func, row.phase), **{"tl.op.func": row.func, "tl.phase": row.phase}
-            )
-            add_time(row.duration_ns * 1e-9, attrs)
-            add_calls(row.count, attrs)
+            key = ("func", row.func, row.phase)
+            attrs = {"tl.op.func": row.func, "tl.phase": row.phase}
+            add("tl.op.time", row.duration_ns * 1e-9, key, **attrs)
+            add("tl.op.calls", row.count, key, **attrs)
             if row.flops:
-                add_flops(row.flops, attrs)
+                add("tl.op.flops", row.flops, key, **attrs)
 
     def _record_collectives(self, trace: Trace) -> None:
         table = trace.collective_table
