@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 SPAN_PHASES = ("forward", "backward")
 """Phases that get module spans: ``recompute`` (checkpointing) counts in the module's backward span, where it
 runs; ``optimizer`` ops run outside modules."""
+_CALL_PHASES = frozenset({"forward", "backward", "recompute"})  # the phases whose ops belong to module calls
 
 
 def module_label(address: str) -> str:
@@ -104,6 +105,19 @@ def _derived_ids(tracer: Any) -> _StepTraceIds | None:
     return tracer.id_generator
 
 
+def _children_follow_parent(tracer: Any) -> bool:
+    """Whether ``tracer`` samples a step's child spans as it sampled the step: an SDK tracer whose sampler is
+    parent-based (the SDK's default), decides by trace id (the children share the step's), or is constant; or
+    a tracer that records nothing (the API's no-op tracer)."""
+    if not isinstance(tracer, SdkTracer):
+        return isinstance(tracer, trace_api.NoOpTracer)
+    from opentelemetry.sdk.trace import sampling
+
+    return isinstance(
+        tracer.sampler, (sampling.ParentBased, sampling.TraceIdRatioBased, sampling.StaticSampler)
+    )
+
+
 def _itemsize(dtype: str, cache: dict[str, int] = {}) -> int:  # noqa: B006 - a deliberate per-process cache
     size = cache.get(dtype)
     if size is None:
@@ -120,6 +134,7 @@ class WindowSpans:
         self.module_depth = module_depth
         self.ops = ops
         self._ids = _derived_ids(tracer)
+        self._children_follow_step = _children_follow_parent(tracer)
 
     def emit(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
         meta = trace.metadata
@@ -132,6 +147,11 @@ class WindowSpans:
             window_start = min(starts) if n else 0
             window_end = max(s + d for s, d in zip(starts, durations)) if n else window_start
         step_span = self._start_step(meta, telemetry, n, window_start)
+        if not step_span.is_recording() and self._children_follow_step:
+            # The sampler dropped this step: its module, collective and op spans would all be dropped too (they
+            # share its trace id and have it as their parent), so none is built.
+            step_span.end(end_time=window_end)
+            return
         step_ctx = trace_api.set_span_in_context(step_span)
 
         calls = _CallSpans(trace, self.module_depth)
@@ -277,16 +297,25 @@ class _CallSpans:
             self.first_call.setdefault(address, r)
         # phase -> call row -> [start, end, ops, flops]
         self.bounds: dict[str, dict[int, list[int]]] = {p: {} for p in SPAN_PHASES}
-        for i, (start, dur, fl) in enumerate(zip(cols["start_ns"], cols["duration_ns"], cols["flops"])):
-            phase, row = self.call_of(i)
+        call_of = self.call_of
+        for i, (phase, start, dur, fl) in enumerate(
+            zip(cols["phase"], cols["start_ns"], cols["duration_ns"], cols["flops"])
+        ):
+            if phase not in _CALL_PHASES:  # optimizer and other ops: under the step's span
+                continue
+            phase, row = call_of(i)
             if row < 0:
                 continue
-            acc = self.bounds[phase].get(row)
+            per_call = self.bounds[phase]
+            acc = per_call.get(row)
+            end = start + dur
             if acc is None:
-                self.bounds[phase][row] = [start, start + dur, 1, fl]
+                per_call[row] = [start, end, 1, fl]
             else:
-                acc[0] = min(acc[0], start)
-                acc[1] = max(acc[1], start + dur)
+                if start < acc[0]:
+                    acc[0] = start
+                if end > acc[1]:
+                    acc[1] = end
                 acc[2] += 1
                 acc[3] += fl
         ct = trace.collective_table

@@ -49,9 +49,12 @@ def make_model():
 class InMemory:
     """A sink on in-memory providers: spans exported synchronously, metrics read on demand."""
 
-    def __init__(self, **sink_kwargs):
+    def __init__(self, sampler=None, **sink_kwargs):
         self.spans_out = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        if sampler is None:
+            self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        else:
+            self.tracer_provider = TracerProvider(sampler=sampler, shutdown_on_exit=False)
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans_out))
         self.reader = InMemoryMetricReader()
         self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)

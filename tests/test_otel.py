@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from opentelemetry.sdk.trace import sampling
 from opentelemetry.trace import StatusCode
 from otel_helpers import (  # noqa: F401 - clean_otel_env, world_of_one: fixtures
     C10D_NO_AUTOGRAD,
@@ -181,6 +182,40 @@ def test_module_depth_bounds_spans_and_metrics():
 
 
 # -- spans -----------------------------------------------------------------------------------------------------
+class CountingSampler(sampling.ParentBased):
+    """The SDK's parent-based ratio sampler, counting the spans it is asked about."""
+
+    def __init__(self, rate):
+        super().__init__(sampling.TraceIdRatioBased(rate))
+        self.asked = 0
+
+    def should_sample(self, *args, **kwargs):
+        self.asked += 1
+        return super().should_sample(*args, **kwargs)
+
+
+def test_a_step_the_sampler_drops_builds_no_child_span():
+    sampler = CountingSampler(0.5)
+    mem = InMemory(sampler=sampler, module_depth=1)
+    tl.arm(sinks=[mem.sink])
+    model = make_model()
+    steps = range(8)
+    run_ids = {train_window(model, torch.randn(3, 4), step=step).metadata["run_id"] for step in steps}
+    (run_id,) = run_ids
+    # TraceIdRatioBased keeps a trace whose low 64 bits of id are below rate * 2**64 (its documented rule).
+    kept = {s for s in steps if step_trace_id(run_id, s) & (2**64 - 1) < round(0.5 * 2**64)}
+    assert 0 < len(kept) < len(steps)  # both kinds of step occur
+    spans = mem.spans()
+    assert {s.attributes["tl.step"] for s in spans if s.name == "tl.step"} == kept
+    # A kept step has all its module spans (the model's 4 calls to depth 1, forward and backward).
+    per_step = collections.Counter(s.context.trace_id for s in spans if s.name != "tl.step")
+    assert sorted(per_step.values()) == [8] * len(kept)
+    # The sampler was asked once per dropped step (its step span), once per span of a kept step.
+    assert sampler.asked == len(spans) + (len(steps) - len(kept))
+    # Metrics do not depend on sampling.
+    assert mem.point("tl.op.calls", tl_op_func="addmm", tl_phase="forward").value == 3 * len(steps)
+
+
 def test_module_spans_nest_and_carry_recorded_times():
     mem = InMemory()
     tl.arm(sinks=[mem.sink])
