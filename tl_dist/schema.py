@@ -102,7 +102,12 @@ OP_FIELDS: tuple[Field, ...] = (
         "Floating-point operations from torch.utils.flop_counter's formulas (plus CPU attention); 0 where none.",
     ),
     Field("start_ns", "int", "Start time, nanoseconds since the Unix epoch (host clock)."),
-    Field("duration_ns", "int", "Duration in ns: host clock on CPU, CUDA events when the op ran on a GPU."),
+    Field(
+        "duration_ns",
+        "int",
+        "Duration in ns: host clock on CPU, CUDA events when the op ran on a GPU (host clock for views, which "
+        "launch no kernel).",
+    ),
     Field("source", "str", "file:line of the user code that issued the op ('' when not recorded)."),
     Field("params", "strs", "Names of the parameters and buffers the op read."),
 )
