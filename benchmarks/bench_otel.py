@@ -17,6 +17,7 @@ The collector is a separate process answering every POST with 200 (as a real one
 GIL); the metric reader exports every 5 s (the SDK's default is 60 s), so the loops include exports.
 
 Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_otel.py [--rounds 7] [--part 1 2 3] [--spans none]``
+(prefix ``OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.1`` for spans on one step in ten)
 """
 
 from __future__ import annotations

@@ -259,6 +259,7 @@ class Recorder:
             dtype = device = ""
             out_bytes = 0
             out_shapes = ()
+            link = (token, index)  # a collective's outputs may still come (the tensors c10d wrote)
             kind = info.kind if info.kind == "collective" else "other"
         flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
         modules = self.modules
