@@ -92,10 +92,10 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
         "last window did not complete has no point).",
     ),
     "tl.tensor.norm": (
-        "gauge",
+        "observed_gauge",
         "1",
-        "L2 norm of a module's output (tl.of=out) or its gradient (tl.of=grad), last call of the last "
-        "window with stats, to module_depth.",
+        "L2 norm of a module's output (tl.of=out) or its gradient (tl.of=grad), last call in the last "
+        "window with stats, to module_depth (a module that window did not call has no point).",
     ),
 }
 
@@ -234,7 +234,7 @@ class WindowMetrics:
                 **{"tl.module": label, "tl.of": row.of},
             )
             counted.add((label, row.of))
-        norm = inst["tl.tensor.norm"]
+        norms = []
         for row in telemetry.norms:
             if depth_of.get(row.module, 0) > deep:
                 continue
@@ -247,9 +247,10 @@ class WindowMetrics:
                 )
             if not math.isfinite(row.norm):
                 continue  # a NaN/Inf norm is what tl.nonfinite counts (the SDK refuses non-finite gauges)
-            norm.set(
-                row.norm, self._attributes(("norm", label, row.of), **{"tl.module": label, "tl.of": row.of})
-            )
+            attrs = self._attributes(("norm", label, row.of), **{"tl.module": label, "tl.of": row.of})
+            norms.append(Observation(row.norm, attrs))
+        if trace.stats_table["op"]:  # a window without stats says nothing of the norms: the last ones stay
+            self._observed["tl.tensor.norm"] = norms
 
     def _record_funcs(self, telemetry: StepTelemetry) -> None:
         """Per (op func, phase), from the window's summary: added to the totals the counters report (see

@@ -137,6 +137,42 @@ def test_step_module_and_norm_metrics():
     assert set(zeros) == {(a["tl.module"], a["tl.of"]) for a, _ in mem.metrics()["tl.tensor.norm"]}
 
 
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.use_b = True
+
+    def forward(self, x):
+        y = self.a(x)
+        return self.b(y) if self.use_b else y
+
+
+def test_norms_are_the_last_stats_windows():
+    """tl.tensor.norm says what the last window with stats measured: a module it did not call has no point (it
+    is not stuck at an old value), and a window without stats leaves the points as they were."""
+    mem = InMemory()
+    tl.arm(sinks=[mem.sink])
+    model, x = Branchy(), torch.randn(3, 4)
+    train_window(model, x, step=0, stats=True)
+    outs = {a["tl.module"] for a, _ in mem.metrics()["tl.tensor.norm"] if a["tl.of"] == "out"}
+    assert outs == {"<root>", "a", "b"}
+
+    model.use_b = False
+    with torch.no_grad():
+        ref_a = model.a(x).norm().item()
+    train_window(model, x, step=1, stats=True)
+    points = {(a["tl.module"], a["tl.of"]): p.value for a, p in mem.metrics()["tl.tensor.norm"]}
+    assert {m for m, of in points if of == "out"} == {"<root>", "a"}
+    assert points["a", "out"] == pytest.approx(ref_a, rel=1e-6)
+
+    model.use_b = True
+    train_window(model, x, step=2)  # no stats
+    for _ in range(2):  # each collection observes the same points again
+        again = {(a["tl.module"], a["tl.of"]): p.value for a, p in mem.metrics()["tl.tensor.norm"]}
+        assert again == points
+
+
 def test_nonfinite_counter():
     mem = InMemory()
     tl.arm(sinks=[mem.sink])
