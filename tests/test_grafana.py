@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -142,7 +143,10 @@ class Job:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.traces = []
         self.prom = start_prometheus(port=0)
-        tl.arm(sinks=[OtelSink(meter_provider=self.prom, spans=None)])
+        # Shards in a run folder, for the straggler gauges: this rank merges each step (a world of one: nobody
+        # waits for anyone, the merge's verdict is "none").
+        self.sink = OtelSink(meter_provider=self.prom, spans=None, stragglers=True)
+        tl.arm(tempfile.mkdtemp(prefix="tl_grafana_"), sinks=[self.sink])
 
     def step(self):
         # Gradients set to None: every window runs the same ops (accumulating into .grad would add backward
@@ -152,6 +156,7 @@ class Job:
             self.model(torch.randn(3, 4)).sum().backward()
             self.opt.step()
         assert tl.flush()
+        assert self.sink.wait_stragglers(timeout=60)
         self.traces.append(cap.trace)
 
     def scrape(self) -> dict[str, list[dict[str, str]]]:
@@ -223,6 +228,7 @@ def test_every_query_names_metrics_and_labels_the_exporter_serves(job):
         "tl_collective_duration_seconds_sum", "tl_collective_duration_seconds_count",
         "tl_collective_duration_seconds_bucket", "tl_collective_busbw_bytes_per_second",
         "tl_collective_bytes_total", "tl_tensor_norm", "tl_nonfinite_total", "target_info",
+        "tl_step_straggler_rank", "tl_step_straggler_wait_seconds",
     }  # fmt: skip
 
 
@@ -478,6 +484,11 @@ def test_prometheus_evaluates_every_query_to_the_windows_numbers(job, tmp_path):
     expected = sum(op_ns(t, func="addmm", phase="forward") for t in seen) / 3e9
     assert value(seconds, tl_op_func="addmm", tl_phase="forward") == pytest.approx(expected, rel=1e-6)
     assert value(results["panel 'Captured windows' A"]) == 4
+    # The straggler panels read the merge's verdict: in a world of one nobody waits (rank -1, shown "none").
+    verdicts = [job.sink.step_stragglers[s].late for s in range(len(job.traces))]
+    assert verdicts == [None] * len(job.traces)
+    assert value(results["panel 'Straggler of the last captured step' A"]) == -1
+    assert value(results["panel 'Straggler wait' A"]) == 0
     assert value(results["panel 'Ranks reporting' A"]) == 1
     # Two NaN outputs per window (the log, the loss summing it), four windows.
     assert value(results["panel 'Non-finite values' A"]) == 8
