@@ -49,6 +49,9 @@ def resolve_options(
     return base.updated(**given) if given else base
 
 
+_DEFAULTS = CaptureOptions()  # frozen: one instance serves every window
+
+
 def _cpu_setting() -> dict[str, Any]:
     """What CPU timings depend on, for ``summary()``'s caveat (``tl_dist.views.summary.timing_caveat``): torch's
     intra-op threads, the cores this process may run on, and ``OMP_WAIT_POLICY`` ('' when unset)."""
@@ -84,7 +87,7 @@ class Capture:
         unknown = sorted(set(keywords) - set(_OPTION_NAMES))
         if unknown:
             raise TypeError(f"Capture() got unexpected options {unknown}; options: {list(_OPTION_NAMES)}")
-        self.options = resolve_options(options, keywords, CaptureOptions())
+        self.options = resolve_options(options, keywords, _DEFAULTS)
         self._roots = roots or []
         self._keep_node_hooks = False  # tl.trace: trace.log_backward may run backward after the window
         self.trace: Trace | None = None
@@ -390,7 +393,7 @@ def capture(
         "intervene": intervene,
     }
     _check_window(step, root)
-    opts = resolve_options(options, keywords, session.options if session is not None else CaptureOptions())
+    opts = resolve_options(options, keywords, session.options if session is not None else _DEFAULTS)
     if session is None and step is not None:
         warnings.warn(
             f"tl.capture(step={step}): the process is not armed, so nothing is written and no sink sees this "

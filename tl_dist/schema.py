@@ -197,9 +197,15 @@ STAT_FIELDS: tuple[Field, ...] = (
 )
 
 
+_NAMES: dict[int, tuple[tuple[Field, ...], tuple[str, ...]]] = {}  # id(fields) -> (fields, their names)
+
+
 def field_names(fields: tuple[Field, ...]) -> tuple[str, ...]:
-    """Names of ``fields`` in order."""
-    return tuple(f.name for f in fields)
+    """Names of ``fields`` in order (worked out once per field tuple: every window asks for its tables')."""
+    entry = _NAMES.get(id(fields))
+    if entry is None or entry[0] is not fields:  # the tuple is kept in the entry: its id is not reused
+        entry = _NAMES[id(fields)] = (fields, tuple(f.name for f in fields))
+    return entry[1]
 
 
 def empty_columns(fields: tuple[Field, ...]) -> dict[str, list]:
