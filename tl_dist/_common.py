@@ -64,6 +64,18 @@ class RowView:
         return tuple(shapes[0]) if shapes else None
 
 
+def arg_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an op's arguments in slot order, those in list arguments (``cat``'s, ``_foreach_*``'s)
+    included: the order the recorder numbers an op's inputs in, and replay refills them in."""
+    tensors: list[torch.Tensor] = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif type(a) is list or type(a) is tuple:
+            tensors += [b for b in a if isinstance(b, torch.Tensor)]
+    return tensors
+
+
 def flat_outputs(out: Any) -> list[torch.Tensor]:
     """The tensors an op returned, in the order their positions are numbered (``saved[op][pos]``, tags):
     a tuple/list is walked one level deep (``split`` returns a list; ``_foreach`` ops lists in tuples)."""

@@ -17,7 +17,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._common import DEVICE_NAMES, DTYPE_NAMES, RowView, device_name, dtype_name, flat_outputs, storage_key
+from ._common import (
+    DEVICE_NAMES,
+    DTYPE_NAMES,
+    RowView,
+    arg_tensors,
+    device_name,
+    dtype_name,
+    flat_outputs,
+    storage_key,
+)
 from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import TAG as _TAG
 from ._common import clone_strided as _clone_strided
@@ -167,7 +176,7 @@ class Recorder:
         if self.pending is not None:  # the previous op's outputs now have their grad_fn
             self.training.link_pending()
         if info.tensor_lists:
-            tensors = _tensors_in(args, kwargs)
+            tensors = arg_tensors(args, kwargs)
         else:
             tensors = [a for a in args if isinstance(a, Tensor)]
             if kwargs:
@@ -566,17 +575,6 @@ class Recorder:
             for index, start, end in self.cuda_events:
                 durations[index] = int(start.elapsed_time(end) * 1e6)
         return columns
-
-
-def _tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors among an op's arguments, those in list arguments (``cat``'s, ``_foreach_*``'s) included."""
-    tensors: list[Tensor] = []
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, Tensor):
-            tensors.append(a)
-        elif type(a) is list or type(a) is tuple:
-            tensors += [b for b in a if isinstance(b, Tensor)]
-    return tensors
 
 
 def _byte_extent(t: Tensor) -> tuple[int, int]:

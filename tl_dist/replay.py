@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from ._common import RowView, clone_strided, flat_outputs, storage_key
+from ._common import RowView, arg_tensors, clone_strided, flat_outputs, storage_key
 from ._opinfo import draws_random, mutated_tensors, op_info
 from ._reexec import fill_args
 from .capture import trace as tl_trace
@@ -252,7 +252,7 @@ class _Replay:
         affected: bool,
     ) -> list[Tensor | None]:
         values, parents = self.values, self.cols["parents"][i]
-        originals = _slot_tensors(skeleton_args, skeleton_kwargs)
+        originals = arg_tensors(skeleton_args, skeleton_kwargs)
         tensors: list[Tensor] = []
         # id of the tensor the model passed -> the recorded constant standing for it
         external: dict[int, Tensor] = {}
@@ -419,17 +419,6 @@ class _Replay:
     def note(self, i: int, rule: When) -> None:
         self.edited.setdefault(i, []).append(repr(rule.edit))
         self.changed.add(i)
-
-
-def _slot_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors of a recorded call in slot order (as ``Recorder.on_op`` gathered them)."""
-    found: list[Tensor] = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            found.append(a)
-        elif type(a) is list or type(a) is tuple:
-            found += [b for b in a if isinstance(b, Tensor)]
-    return found
 
 
 def _output(trace: Trace, values: dict[int, list]) -> Any:
