@@ -185,6 +185,8 @@ class Recorder:
         token = self.token
         parents: dict[int, None] = {}
         param_names: list[str] = []
+        # Where each input's value comes from (op, output position), for replay; only when outputs may be saved.
+        srcs: list[tuple[int, int] | None] | None = [] if self.saving else None
         writes = self._writes
         for t in tensors:
             tag = getattr(t, _TAG, None)
@@ -194,14 +196,18 @@ class Recorder:
                     # An alias of t was written in place after t was made (v = y.view(..); y.relu_(); v * 2):
                     # t's value now comes from that write, and t's producer no longer holds it.
                     parents[writer] = None
+                    if srcs is not None:
+                        srcs.append(None)
+                elif srcs is not None:
+                    srcs.append((tag[1], tag[2]))
             else:
+                if srcs is not None:
+                    srcs.append(None)
                 name = self.params.get(id(t))
                 if name is not None:
                     param_names.append(name)
                 if writes and (writer := self._written_since(t, -1)) >= 0:
                     parents[writer] = None  # e.g. a parameter the optimizer updated earlier in the window
-        # Where each input's value comes from, for replay; built only when outputs may be saved.
-        srcs = self._sources(tensors) if self.saving else None
 
         if subclass and self.comm.unlinked >= 0 and _grad_enabled():
             # The first subclass op since a forward collective: the autograd nodes between them (DTensor's
@@ -344,19 +350,6 @@ class Recorder:
         if self.saving and outs and (self.save_all or self.save_selector.match(RowView(row))):
             self._save(index, outs, func, args, kwargs, tensors, srcs, pre_write)
         return out
-
-    def _sources(self, tensors: list[Tensor]) -> list[tuple[int, int] | None]:
-        """(op, output position) each input's value comes from, None for a tensor made outside the window or
-        one whose memory an in-place op wrote after its producer made it (see the parents in :meth:`on_op`)."""
-        token = self.token
-        srcs: list[tuple[int, int] | None] = []
-        for t in tensors:
-            tag = getattr(t, _TAG, None)
-            if tag is None or tag[0] != token or (self._writes and self._written_since(t, tag[1]) >= 0):
-                srcs.append(None)
-            else:
-                srcs.append((tag[1], tag[2]))
-        return srcs
 
     # -- saving -------------------------------------------------------------------------------------------
     def _save(
