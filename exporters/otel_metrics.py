@@ -106,7 +106,8 @@ class WindowMetrics:
     def __init__(self, meter: Any, *, module_depth: int) -> None:
         self.module_depth = module_depth
         self.instruments: dict[str, Any] = {}
-        # counter -> attribute key -> [attributes, running total]
+        # counter -> id(attributes) -> [attributes, running total] (the entry keeps its attributes, and with them
+        # the id, alive; the dicts come from _attributes, one per series)
         self._totals: dict[str, dict[tuple, list]] = {
             name: {} for name, (kind, _, _) in INSTRUMENTS.items() if kind == "counter"
         }
@@ -152,11 +153,11 @@ class WindowMetrics:
 
         return observe
 
-    def _add(self, name: str, value: float, key: tuple, **attrs: Any) -> None:
-        """Add ``value`` to counter ``name``'s series ``key`` (its attributes ``attrs`` and ``tl.rank``)."""
-        entry = self._totals[name].get(key)
+    def _add(self, name: str, value: float, attrs: dict[str, Any]) -> None:
+        """Add ``value`` to counter ``name``'s series of attributes ``attrs`` (a dict from :meth:`_attributes`)."""
+        entry = self._totals[name].get(id(attrs))
         if entry is None:
-            self._totals[name][key] = [self._attributes(key, **attrs), value]
+            self._totals[name][id(attrs)] = [attrs, value]
         else:
             entry[1] += value
 
@@ -180,7 +181,7 @@ class WindowMetrics:
 
     def straggler_unknown(self) -> None:
         """Count a captured step whose straggler could not be computed (``tl.step.straggler_unknown``)."""
-        self._add("tl.step.straggler_unknown", 1, ("rank",))
+        self._add("tl.step.straggler_unknown", 1, self._attributes(("rank",)))
 
     def record(self, trace: Trace, telemetry: StepTelemetry | None) -> None:
         rank = int(trace.metadata.get("rank", 0))
@@ -200,7 +201,7 @@ class WindowMetrics:
             inst["tl.step.mfu"].set(telemetry.mfu, rank_only)
         for phase, flops in telemetry.flops.items():
             if flops or telemetry.op_ns.get(phase):
-                self._add("tl.step.flops", flops, ("phase", phase), **{"tl.phase": phase})
+                self._add("tl.step.flops", flops, self._attributes(("phase", phase), **{"tl.phase": phase}))
         depth_of = self._depths(trace)
         deep = self.module_depth
         module_hist = inst["tl.module.duration"]
@@ -215,24 +216,15 @@ class WindowMetrics:
         busbw = []
         for row in telemetry.collectives:
             attrs = self._collective_attributes(row.kind, row.group)
-            self._add(
-                "tl.collective.bytes",
-                row.bytes,
-                ("collective", row.kind, row.group),
-                **{"tl.collective.kind": row.kind, "tl.collective.group": row.group},
-            )
+            self._add("tl.collective.bytes", row.bytes, attrs)
             if row.completed:
                 busbw.append(Observation(row.busbw, attrs))
         self._observed["tl.collective.busbw"] = busbw  # one assignment: a collection sees one window's points
         counted = set()
         for row in telemetry.nonfinite:
             label = module_label(row.module) if row.module != OUTSIDE else OUTSIDE
-            self._add(
-                "tl.nonfinite",
-                row.count,
-                ("nonfinite", label, row.of),
-                **{"tl.module": label, "tl.of": row.of},
-            )
+            attrs = self._attributes(("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of})
+            self._add("tl.nonfinite", row.count, attrs)
             counted.add((label, row.of))
         norms = []
         for row in telemetry.norms:
@@ -242,9 +234,10 @@ class WindowMetrics:
             if (label, row.of) not in counted:
                 # Every module with statistics has its non-finite series from its first window, at 0: a
                 # counter's first sample is no increase to Prometheus, so a first NaN would never alert.
-                self._add(
-                    "tl.nonfinite", 0, ("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of}
+                attrs = self._attributes(
+                    ("nonfinite", label, row.of), **{"tl.module": label, "tl.of": row.of}
                 )
+                self._add("tl.nonfinite", 0, attrs)
             if not math.isfinite(row.norm):
                 continue  # a NaN/Inf norm is what tl.nonfinite counts (the SDK refuses non-finite gauges)
             attrs = self._attributes(("norm", label, row.of), **{"tl.module": label, "tl.of": row.of})
@@ -257,12 +250,13 @@ class WindowMetrics:
         :meth:`_cumulative`), never one SDK measurement per op."""
         add = self._add
         for row in telemetry.funcs:
-            key = ("func", row.func, row.phase)
-            attrs = {"tl.op.func": row.func, "tl.phase": row.phase}
-            add("tl.op.time", row.duration_ns * 1e-9, key, **attrs)
-            add("tl.op.calls", row.count, key, **attrs)
+            attrs = self._attributes(
+                ("func", row.func, row.phase), **{"tl.op.func": row.func, "tl.phase": row.phase}
+            )
+            add("tl.op.time", row.duration_ns * 1e-9, attrs)
+            add("tl.op.calls", row.count, attrs)
             if row.flops:
-                add("tl.op.flops", row.flops, key, **attrs)
+                add("tl.op.flops", row.flops, attrs)
 
     def _record_collectives(self, trace: Trace) -> None:
         table = trace.collective_table
