@@ -349,7 +349,7 @@ class _CallSpans:
         row = -1
         if phase == "forward":
             row = cols["module_call"][i]
-        elif phase in ("backward", "recompute"):
+        elif phase in _CALL_PHASES:  # backward, recompute
             fwd = cols["fwd_op"][i]
             if fwd >= 0 and cols["phase"][fwd] == "forward" and cols["module_call"][fwd] >= 0:
                 row = cols["module_call"][fwd]

@@ -36,7 +36,7 @@ from ._signals import on_signal as _on_signal
 from ._stacks import traceback_stack
 from .capture import Capture, open_capture
 from .compiled import watch_compiles
-from .options import CaptureOptions, check_options
+from .options import DEFAULT_OPTIONS, CaptureOptions, check_options
 from .sinks import SinkStats, SinkWorker, check_sinks
 from .store import ShardOptions, ShardSink, location
 from .telemetry import StepTelemetry, summarize
@@ -56,7 +56,6 @@ __all__ = [
 ]
 
 _DEFAULT_SHARD = ShardOptions()
-_DEFAULT_OPTIONS = CaptureOptions()
 FLUSH_TIMEOUT_S = 30.0
 """How long ``disarm()`` and interpreter exit wait for the sinks to take the queued windows."""
 
@@ -314,7 +313,7 @@ def arm(
     *,
     every: int | None = None,
     sinks: Any = (),
-    options: CaptureOptions = _DEFAULT_OPTIONS,
+    options: CaptureOptions = DEFAULT_OPTIONS,
     shard: ShardOptions = _DEFAULT_SHARD,
 ) -> Path | str | None:
     """Arm this process: ``tl.capture`` windows go to sinks -- the shard writer under ``out_dir``, and ``sinks``.
@@ -375,7 +374,7 @@ def armed_session(
     out_dir: str | os.PathLike | None = None,
     *,
     sinks: Any = (),
-    options: CaptureOptions = _DEFAULT_OPTIONS,
+    options: CaptureOptions = DEFAULT_OPTIONS,
     shard: ShardOptions = _DEFAULT_SHARD,
     peak_flops: float | None = None,
     summarize_on_close: bool = False,

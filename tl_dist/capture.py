@@ -25,7 +25,7 @@ from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .compiled import RegionHook, watch_compiles
 from .errors import TlDistError
-from .options import CaptureOptions, check_options
+from .options import DEFAULT_OPTIONS, CaptureOptions, check_options
 from .schema import module_name
 from .trace import Trace
 
@@ -47,9 +47,6 @@ def resolve_options(
             )
         return options
     return base.updated(**given) if given else base
-
-
-_DEFAULTS = CaptureOptions()  # frozen: one instance serves every window
 
 
 def _cpu_setting() -> dict[str, Any]:
@@ -87,7 +84,7 @@ class Capture:
         unknown = sorted(set(keywords) - set(_OPTION_NAMES))
         if unknown:
             raise TypeError(f"Capture() got unexpected options {unknown}; options: {list(_OPTION_NAMES)}")
-        self.options = resolve_options(options, keywords, _DEFAULTS)
+        self.options = resolve_options(options, keywords, DEFAULT_OPTIONS)
         self._roots = roots or []
         self._keep_node_hooks = False  # tl.trace: trace.log_backward may run backward after the window
         self.trace: Trace | None = None
@@ -393,7 +390,7 @@ def capture(
         "intervene": intervene,
     }
     _check_window(step, root)
-    opts = resolve_options(options, keywords, session.options if session is not None else _DEFAULTS)
+    opts = resolve_options(options, keywords, session.options if session is not None else DEFAULT_OPTIONS)
     if session is None and step is not None:
         warnings.warn(
             f"tl.capture(step={step}): the process is not armed, so nothing is written and no sink sees this "

@@ -64,6 +64,10 @@ class CaptureOptions:
         return replace(self, **changes)
 
 
+DEFAULT_OPTIONS = CaptureOptions()
+"""The defaults (frozen: one instance serves every window and session that sets nothing)."""
+
+
 def check_options(value: Any, name: str = "options") -> CaptureOptions:
     """``value`` if it is a :class:`CaptureOptions`, else a ValueError naming the argument."""
     if not isinstance(value, CaptureOptions):
