@@ -267,6 +267,28 @@ def test_alias_taken_before_an_inplace_write_depends_on_the_write():
     assert trace.validate()
 
 
+def test_offset_alias_and_parameter_written_in_place_depend_on_the_write():
+    class Offsets(nn.Module):
+        def forward(self, x):
+            y = x.clone()
+            _, bottom = y.chunk(2)  # a view 6 elements into y's storage, taken before the write
+            y.mul_(2)
+            return bottom + 1
+
+    with torch.no_grad():
+        trace = tl.trace(Offsets(), torch.randn(4, 3))
+    assert trace["mul__1"].index in trace["add_1"].parents
+    assert trace.validate()
+
+    lin = nn.Linear(3, 2)
+    with torch.no_grad(), tl.capture() as cap:
+        lin.weight.add_(1)  # a parameter updated in place, then read in the same window (two steps in one)
+        lin(torch.randn(1, 3))
+    trace = cap.trace
+    assert trace["add__1"].index in trace["t_1"].parents
+    assert trace["add__1"].index not in trace["addmm_1"].parents  # the bias was not written
+
+
 def test_alias_of_written_memory_is_not_linked_to_unrelated_writes():
     class Chunks(nn.Module):
         def forward(self, x):
