@@ -95,7 +95,11 @@ def storage_key(t: torch.Tensor) -> int | None:
     """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
     storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose
     data lives in inner tensors that its own dispatch handles below the mode."""
-    storage = t.untyped_storage()
+    return storage_address(t.untyped_storage())
+
+
+def storage_address(storage: torch.UntypedStorage) -> int | None:
+    """:func:`storage_key` of a tensor whose storage is at hand."""
     try:
         return storage.data_ptr() if storage.nbytes() else None
     except RuntimeError:

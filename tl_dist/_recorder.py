@@ -25,6 +25,7 @@ from ._common import (
     device_name,
     dtype_name,
     flat_outputs,
+    storage_address,
     storage_key,
 )
 from ._common import FIELD_INDEX as _FIELD_INDEX
@@ -404,13 +405,13 @@ class Recorder:
     def _note_writes(self, index: int, written: list[Tensor]) -> None:
         self._last_write = index
         for t in written:
-            key = storage_key(t)
+            storage = t.untyped_storage()  # made once: storage_key(t) would make it again
+            key = storage_address(storage)
             if key is None:
                 continue
             lo, hi = _byte_extent(t)
             if hi <= lo:
                 continue
-            storage = t.untyped_storage()
             owner = self._written_storage.get(key)
             if owner is None or owner() is not storage:
                 self._written_storage[key] = weakref.ref(storage)
