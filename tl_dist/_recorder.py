@@ -432,14 +432,6 @@ class Recorder:
 
     def _written_since(self, t: Tensor, since: int) -> int:
         """The latest op after op ``since`` that wrote in place into memory ``t`` covers; -1 if none."""
-        # Most inputs were never written (once anything was, every input is asked: BatchNorm's running stats,
-        # dropout's bernoulli_): their storage address, worked out without making a storage object, is not in
-        # _writes. Tensors without a data pointer (wrapper subclasses, fakes) take the exact path.
-        try:
-            if t.data_ptr() - t.storage_offset() * t.element_size() not in self._writes:
-                return -1
-        except RuntimeError:
-            pass
         key = storage_key(t)
         entries = self._writes.get(key)
         if not entries or entries[-1][0] <= since or self._written_storage[key]() is not t.untyped_storage():
