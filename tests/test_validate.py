@@ -621,26 +621,3 @@ def test_ops_after_a_replay_that_raises_are_still_checked():
         ("addmm_2", math.inf),
         ("mul_1", pytest.approx(1.0)),
     ]
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: torch.arange(10.0)[3:],  # an offset view
-        lambda: torch.arange(10.0)[3:].view(torch.uint8),  # a dtype view: offset counted in bytes
-        lambda: torch.randn(4, dtype=torch.complex64)[1:].real,
-        lambda: torch.randn(3, 4).t()[1:],  # strided
-        lambda: torch.ones(1).expand(5),
-        lambda: torch.arange(4.0)[4:],  # no elements, in a storage that has some
-        lambda: torch.empty(0),  # an empty storage: nothing to write
-        lambda: torch.empty(6, device="meta")[2:],
-    ],
-)
-def test_storage_key_is_the_storage_address(make):
-    # The recorder keys in-place writes and saved outputs by storage; its key is worked out from the data pointer
-    # and must name the same memory as the storage object does.
-    from tl_dist._common import storage_key
-
-    t = make()
-    storage = t.untyped_storage()
-    assert storage_key(t) == (storage.data_ptr() if storage.nbytes() else None)

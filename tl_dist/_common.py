@@ -95,13 +95,6 @@ def storage_key(t: torch.Tensor) -> int | None:
     """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
     storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose
     data lives in inner tensors that its own dispatch handles below the mode."""
-    # Worked out from the data pointer when there is one: making the storage object costs several times more,
-    # and the recorder asks for every saved output and, once anything was written in place, every input.
-    try:
-        if t.numel():
-            return t.data_ptr() - t.storage_offset() * t.element_size()
-    except RuntimeError:  # no data pointer (a wrapper subclass, a fake or sparse tensor): ask the storage
-        pass
     return storage_address(t.untyped_storage())
 
 
