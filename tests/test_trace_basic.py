@@ -230,3 +230,50 @@ def test_no_edge_from_a_write_into_a_freed_buffer_at_the_same_address():
             reused += 1
             assert trace["fill__1"].parents == (), trace["fill__1"].parents
     assert reused, "the allocator never reused the address: the case this test is for did not occur"
+
+
+def test_modules_parameters_and_buffers_are_named_as_torch_names_them():
+    # Each window names the model with a walk of its own: it must give what torch's named_* walks give, the
+    # first name of anything shared, and no '_orig_mod' of a compiled submodule.
+    from tl_dist._modules import ModuleTracker
+
+    class Recorder:  # the tracker reads these of its recorder
+        n_ops = 0
+        locate = None
+
+    shared = nn.Linear(2, 2)
+    model = nn.Module()
+    model.a = shared
+    model.block = nn.Sequential(nn.Linear(2, 2, bias=False), nn.BatchNorm1d(2))
+    model.b = shared  # the same module at a second address
+    model.register_module("absent", None)
+    model.compiled = torch.compile(nn.Sequential(nn.Linear(2, 2)))
+    model.register_buffer("scale", torch.ones(2))
+    model.tied = nn.Linear(2, 2)
+    model.tied.weight = model.block[0].weight  # one parameter, two names
+    model.stats = nn.Module()
+    late = nn.Linear(2, 2)
+    model.stats.register_buffer("weight_seen", late.weight)  # met as a buffer first, then as a parameter
+    model.late = late
+
+    def strip(name):
+        return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+    want_names, want_params = {}, {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        want_names.setdefault(id(mod), "net." + strip(name) if name else "net")
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        want_params.setdefault(id(t), "net." + strip(name))
+    recorder = Recorder()
+    tracker = ModuleTracker(recorder, [("net", model)])
+    assert tracker.names == want_names
+    assert tracker.params == want_params
+    # spot checks by hand: shared module and tied weight keep their first names; compiled wrapper stripped
+    assert tracker.names[id(shared)] == "net.a"
+    assert tracker.params[id(model.tied.weight)] == "net.block.0.weight"
+    assert tracker.names[id(model.compiled._orig_mod[0])] == "net.compiled.0"
+    assert tracker.params[id(late.weight)] == "net.late.weight"  # parameter names before buffer names
+    assert list(tracker.names) == list(want_names)  # the same walk order
