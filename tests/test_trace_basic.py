@@ -277,3 +277,74 @@ def test_modules_parameters_and_buffers_are_named_as_torch_names_them():
     assert tracker.names[id(model.compiled._orig_mod[0])] == "net.compiled.0"
     assert tracker.params[id(late.weight)] == "net.late.weight"  # parameter names before buffer names
     assert list(tracker.names) == list(want_names)  # the same walk order
+
+
+class _Rotate(nn.Module):  # as transformers' kernelized functions: one instance, held by no model
+    def forward(self, x):
+        return torch.cat((-x[..., 1:], x[..., :1]), dim=-1)
+
+
+_ROTATE = _Rotate()
+
+
+class _Layer(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.act = act  # a class, built anew at every call
+
+    def forward(self, x):
+        return self.act()(_ROTATE(self.proj(x)))
+
+
+def test_a_module_outside_the_tree_belongs_to_each_caller_in_turn():
+    # One unregistered instance called by two layers (Llama's rotary embedding under transformers 5 with the
+    # kernels package) must land in each layer; so must modules built on the fly, whatever id they reuse.
+    model = nn.Sequential(_Layer(nn.ReLU), _Layer(nn.Tanh), _Layer(nn.ReLU)).eval()
+    x = torch.randn(2, 4)
+    trace = tl.trace(model, x)
+    cols = trace.columns
+    by_func = {}
+    for i in range(len(trace)):
+        by_func.setdefault(cols["func"][i], []).append((cols["module"][i], cols["module_stack"][i]))
+    # the three cats (one per layer), and the activation of each layer, by hand
+    assert [m for m, _ in by_func["cat"]] == ["0.<_Rotate>", "1.<_Rotate>", "2.<_Rotate>"]
+    assert [s for _, s in by_func["cat"]] == [("", str(i), f"{i}.<_Rotate>") for i in range(3)]
+    acts = [m for f in ("relu", "tanh") for m, _ in by_func.get(f, [])]
+    assert sorted(acts) == ["0.<ReLU>", "1.<Tanh>", "2.<ReLU>"]
+    # the module-call table: each call of the shared instance under its caller, with that layer's value
+    rotate_calls = [c for c in trace.module_calls() if "_Rotate" in c.address]
+    assert [c.address for c in rotate_calls] == ["0.<_Rotate>", "1.<_Rotate>", "2.<_Rotate>"]
+    h = x
+    with torch.no_grad():
+        for layer, call, act in zip(model, rotate_calls, (torch.relu, torch.tanh, torch.relu)):
+            p = h @ layer.proj.weight.T + layer.proj.bias
+            rotated = torch.cat((-p[..., 1:], p[..., :1]), dim=-1)
+            assert torch.allclose(call.out, rotated, atol=1e-6)
+            h = act(rotated)
+
+
+def test_a_shared_module_outside_the_tree_recomputed_under_checkpoint_keeps_its_caller():
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([_Layer(nn.ReLU), _Layer(nn.ReLU)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    model = Net()
+    with tl.capture() as cap:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    cols = cap.trace.columns
+    cats = [(cols["phase"][i], cols["module"][i]) for i in range(len(cap.trace)) if cols["func"][i] == "cat"]
+    assert cats == [
+        ("forward", "layers.0.<_Rotate>"),
+        ("forward", "layers.1.<_Rotate>"),
+        ("recompute", "layers.1.<_Rotate>"),  # backward reaches the last layer first
+        ("recompute", "layers.0.<_Rotate>"),
+    ]

@@ -162,11 +162,12 @@ class ModuleTracker:
                 prefix = f"{type(module).__name__}{n}"
             self._add_root(module, prefix)
             return self.names[id(module)]
-        # A module built on the fly inside another's forward: name it under its caller.
+        # A module outside the named tree (built on the fly in a forward, or one instance shared by every
+        # caller: transformers' kernelized functions such as Llama's rotary embedding): named under its caller
+        # at every call, never cached by id. One shared instance called by two layers belongs to each in turn,
+        # and a dead on-the-fly module's id may come back as another module's.
         parent = self.current_address
-        address = f"{parent}.<{type(module).__name__}>" if parent else f"<{type(module).__name__}>"
-        self.names[id(module)] = address
-        return address
+        return f"{parent}.<{type(module).__name__}>" if parent else f"<{type(module).__name__}>"
 
     # -- hooks --------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -200,6 +201,10 @@ class ModuleTracker:
         if in_engine:
             # Checkpoint recomputation: the ops belong to the module's forward call, already in the table.
             stack, source = self._forward_calls.get(key) or (self.address_stack + (address,), "")
+            if (
+                self._stack and key not in self.names
+            ):  # outside the tree: its last call may be another caller's
+                stack = self.address_stack + (address,)
             self._stack.append((key, -1, stack, source, _is_builtin(shown)))
             self.recompute_calls += 1
             self._set_current()
