@@ -17,10 +17,6 @@ import tl_dist as tl
 from tl_dist._opinfo import EXTRA_FLOP_FORMULAS
 from tl_dist.store import write_shard
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Using `torch.compile\\(module\\)` when there are global hooks"
-)
-
 tl.watch_compiles()  # before anything below compiles
 
 
@@ -362,3 +358,44 @@ def test_a_window_neither_imports_dynamo_nor_is_compiled_by_it():
     outside, inside, last = counts.split(" ", 2)
     assert int(inside) == int(outside) > 0  # the same frames compiled in a window as outside: none of ours
     assert last == "['mul', 'relu']"  # the compiled function's ops after the break (eager backend)
+
+
+def test_a_window_silences_torchs_global_hook_warning_and_leaves_the_filters_as_they_were():
+    # torch warns at a compiled module's call that global hooks fire for its wrapper too; inside a window the
+    # hooks are tl_dist's (which count wrapper and module as one call), so the user must not see it there.
+    import warnings
+
+    from torch.nn.modules.module import register_module_forward_hook
+
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    x = torch.randn(3, 2)
+    compiled(x)
+    message = "when there are global hooks"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message="the user's own filter", category=DeprecationWarning)
+        before = list(warnings.filters)
+        with tl.capture() as cap:
+            compiled(x)
+        assert list(warnings.filters) == before  # nothing of the window's is left
+        assert [str(w.message) for w in caught if message in str(w.message)] == []
+        assert cap.trace.module_table["address"] == [""]
+        handle = register_module_forward_hook(
+            lambda *args: None
+        )  # a hook of the user's: torch's warning stands
+        try:
+            compiled(x)
+        finally:
+            handle.remove()
+        assert len([w for w in caught if message in str(w.message)]) == 1
+        # the same filter already the user's: the window neither moves nor removes it
+        warnings.filterwarnings(
+            "ignore",
+            message=r"Using `torch\.compile\(module\)` when there are global hooks",
+            category=UserWarning,
+        )
+        warnings.simplefilter("always", RuntimeWarning)
+        before = list(warnings.filters)
+        with tl.capture():
+            compiled(x)
+        assert list(warnings.filters) == before

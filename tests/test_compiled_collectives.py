@@ -15,10 +15,7 @@ import torch
 
 import tl_dist as tl
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks"),
-]
+pytestmark = pytest.mark.slow
 
 
 class _AllReduceNet(torch.nn.Module):

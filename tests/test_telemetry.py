@@ -289,7 +289,6 @@ def test_other_threads_stay_out_of_the_window():
     assert set(trace.columns["phase"]) == {"forward"}  # the other thread's optimizer step did not leak
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 def test_torch_compile_module_is_transparent():
     model = mlp()
     compiled = torch.compile(model, backend="eager")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 import weakref
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,10 @@ from ._common import TAG, TORCH_DIR
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
 _LEAF_SPEC = tree_flatten(torch.empty(0))[1]
+# torch warns at a compiled module's call while global module hooks exist that they fire for its wrapper too;
+# the tracker's own hooks count the wrapper and the module it wraps as one call, so the warning (about hooks
+# the user never registered) is silenced while they are installed.
+_WRAPPER_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 # Module._call_impl and the closure it runs forward and forward hooks in (their frames hold the module as self).
 _CALL_CODES = frozenset(
     {
@@ -113,6 +118,9 @@ class ModuleTracker:
         for prefix, root in roots:
             self._add_root(root, prefix)
         self._handles: list[Any] = []
+        self._warning_filter: tuple | None = (
+            None  # the warnings filter install() added, removed by uninstall()
+        )
         self.edits: Any = None  # tl_dist._intervene.Interventions while a window has module-site edits
 
     # -- naming -------------------------------------------------------------------------------------------
@@ -178,11 +186,28 @@ class ModuleTracker:
             nn_module.register_module_forward_pre_hook(self._pre),
             nn_module.register_module_forward_hook(self._post, always_call=True),
         ]
+        if "torch._dynamo" in sys.modules:
+            self._silence_wrapper_warning()
 
     def uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._warning_filter is not None:
+            try:
+                warnings.filters.remove(self._warning_filter)
+            except ValueError:
+                pass  # the filters were reset inside the window: nothing of ours is left
+            self._warning_filter = None
+
+    def _silence_wrapper_warning(self) -> None:
+        before = list(warnings.filters)
+        warnings.filterwarnings("ignore", message=_WRAPPER_HOOK_WARNING, category=UserWarning)
+        entry = warnings.filters[0]
+        if entry in before:  # the user's own filter, moved to the front: put it back and leave it theirs
+            warnings.filters[:] = before
+        else:
+            self._warning_filter = entry
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         in_engine = _graph_task_id() != -1
