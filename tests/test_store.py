@@ -363,3 +363,59 @@ def test_what_a_file_is_and_its_metadata_without_reading_tables(tmp_path):
         file_kind(text)
     with pytest.raises(tl.ShardFormatError, match=r"foreign\.h5: no readable shard metadata"):
         read_metadata(foreign)
+
+
+_WRITER_WITH_OWN_PYTREE_TYPE = """
+import sys, torch, tl_dist as tl
+from torch.utils import _pytree
+
+class Out:  # a model output type registered with torch's pytree, as transformers' ModelOutput
+    def __init__(self, logits, hidden):
+        self.logits, self.hidden = logits, hidden
+
+_pytree.register_pytree_node(
+    Out, lambda o: ([o.logits, o.hidden], None), lambda leaves, _: Out(*leaves),
+    serialized_type_name="writer_only.Out",
+)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+    def forward(self, x):
+        h = self.fc(x)
+        return Out(h.relu(), h)
+
+torch.manual_seed(0)
+x = torch.randn(4, 3)
+trace = tl.trace(Net(), x)
+trace.save(sys.argv[1])
+torch.save({"logits": trace.output.logits, "hidden": trace.output.hidden}, sys.argv[2])
+"""
+
+
+def test_a_shard_whose_output_type_this_process_lacks_loads_with_its_values(tmp_path):
+    # A shard is read where the model's code is not imported (tl.merge_ranks, the CLI): an output type the
+    # writer registered with torch's pytree cannot be rebuilt here, but its values must still load.
+    import sys
+
+    path, ref = tmp_path / "own_type.h5", tmp_path / "ref.pt"
+    subprocess.run(
+        [sys.executable, "-c", _WRITER_WITH_OWN_PYTREE_TYPE, str(path), str(ref)], check=True, timeout=120
+    )
+    want = torch.load(ref)
+    with pytest.warns(RuntimeWarning, match=r"writer_only\.Out in pytree is not registered.*tuples of their"):
+        trace = tl.load(path)
+    assert isinstance(trace.output, tuple) and len(trace.output) == 2
+    assert torch.equal(trace.output[0], want["logits"]) and torch.equal(trace.output[1], want["hidden"])
+    root = trace.module("")
+    assert isinstance(root.out, tuple)
+    assert torch.equal(root.out[0], want["logits"]) and torch.equal(root.out[1], want["hidden"])
+    assert torch.equal(trace.module("fc").out, want["hidden"])  # plain tensors are unaffected
+    # merge reads the same shard through the same code
+    run = tmp_path / "run" / "rank00000"
+    run.mkdir(parents=True)
+    path.rename(run / "step00000000.h5")
+    with pytest.warns(RuntimeWarning, match="writer_only.Out"):
+        frame = tl.merge_ranks(tmp_path / "run").to_pandas()
+    assert list(frame["label"]) == list(trace.to_pandas()["label"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
-from torch.utils._pytree import treespec_loads
+from torch.utils._pytree import tree_flatten, treespec_loads
 
 from ..errors import ShardFormatError
 from ..schema import (
@@ -121,15 +122,30 @@ def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, A
     extra = root.get("tree_tensors")
     trees: dict[int, Any] = {}
     output = None
+    unregistered: set[str] = set()
     for row, spec_json, leaves_json in zip(table["row"], table["spec"], table["leaves"]):
-        spec = treespec_loads(spec_json)
         leaves = [
             _array_tensor(extra[v["tensor"]]) if isinstance(v, dict) else v for v in json.loads(leaves_json)
         ]
+        try:
+            spec = treespec_loads(spec_json)
+        except NotImplementedError as exc:
+            # A pytree node type the writing process registered and this one has not (its module is not
+            # imported here: transformers' ModelOutput in a merge process). The structure is unknown here; the
+            # values are not: they read as a tuple of the leaves.
+            unregistered.add(str(exc))
+            spec = tree_flatten(tuple(range(len(leaves))))[1]
         if row < 0:
             output = spec.unflatten(leaves)
         else:
             trees[row] = (spec, leaves)
+    if unregistered:
+        warnings.warn(
+            f"{' '.join(sorted(unregistered))} Module outputs of those types read as tuples of their values; "
+            "import the module that registers them before loading to get them back as they were returned",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return trees, output
 
 
