@@ -254,3 +254,16 @@ def test_selector_algebra_is_set_algebra(tree, data):
     # De Morgan
     assert _picked(trace, ~(a | b)) == _picked(trace, ~a & ~b)
     assert _picked(trace, ~(a & b)) == _picked(trace, ~a | ~b)
+
+
+def test_func_names_the_public_op_and_matches_atens_underscored_implementation():
+    # torch.softmax / log_softmax reach the dispatcher as _softmax / _log_softmax: a user names the public op
+    model = nn.Sequential(nn.Linear(3, 4), nn.Softmax(dim=-1), nn.LogSoftmax(dim=-1))
+    trace = _trace(model, torch.randn(2, 3))
+    assert [op.func for op in trace][-2:] == ["_softmax", "_log_softmax"]
+    assert _labels(trace, tl.func("softmax")) == ["_softmax_1"]
+    assert _labels(trace, tl.func("_softmax")) == ["_softmax_1"]
+    assert _labels(trace, tl.func("log_softmax")) == ["_log_softmax_1"]
+    assert _labels(trace, tl.func("oftmax")) == []
+    saved = tl.trace(model, torch.randn(2, 3), save=tl.func("softmax") & tl.in_module("1"))
+    assert [op.label for op in saved if op.out is not None] == ["_softmax_1"]

@@ -90,7 +90,9 @@ class _Not(Selector):
 
 
 class func(Selector):  # noqa: N801 - the public spelling is tl.func(...)
-    """Ops whose short name is one of ``names``; ``func("relu")`` also matches the in-place ``relu_``.
+    """Ops whose short name is one of ``names``; ``func("relu")`` also matches the in-place ``relu_``, and
+    ``func("softmax")`` the ``_softmax`` that ATen runs for ``torch.softmax`` (a composite op reaches the
+    dispatcher as its underscored implementation: ``_softmax``, ``_log_softmax``, ``_unsafe_view``).
 
     Example:
         >>> trace.select(tl.func("relu", "addmm"))
@@ -101,7 +103,12 @@ class func(Selector):  # noqa: N801 - the public spelling is tl.func(...)
 
     def match(self, op: Any) -> bool:
         name = op.func
-        return name in self.names or (name.endswith("_") and name[:-1] in self.names)
+        names = self.names
+        return (
+            name in names
+            or (name.endswith("_") and name[:-1] in names)
+            or (name.startswith("_") and name[1:] in names)
+        )
 
     def __repr__(self) -> str:
         return f"tl.func({', '.join(map(repr, sorted(self.names)))})"
