@@ -94,8 +94,32 @@ def flat_outputs(out: Any) -> list[torch.Tensor]:
 def storage_key(t: torch.Tensor) -> int | None:
     """Identity of the memory ``t`` views (its storage's address); None when it has none to write: an empty
     storage, or a wrapper subclass without storage (FSDP2's DTensor parameters, AsyncCollectiveTensor), whose
-    data lives in inner tensors that its own dispatch handles below the mode."""
-    return storage_address(t.untyped_storage())
+    data lives in inner tensors that its own dispatch handles below the mode; or a layout without one storage
+    (sparse: values and indices are tensors of their own)."""
+    try:
+        storage = t.untyped_storage()
+    except NotImplementedError:  # "Cannot access storage of SparseTensorImpl"
+        return None
+    return storage_address(storage)
+
+
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """``tuple(t.shape)``, and for a nested tensor, whose ragged dimensions have no size, -1 in those.
+
+    Example:
+        >>> shape_of(torch._nested_tensor_from_mask(torch.ones(2, 5, 16), mask))   # rows of 5 and 3
+        (2, -1, 16)
+    """
+    try:
+        return tuple(t.shape)
+    except RuntimeError:  # "NestedTensorImpl doesn't support sizes"
+        sizes = []
+        for dim in range(t.dim()):
+            try:
+                sizes.append(t.size(dim))
+            except RuntimeError:  # "Given dimension 1 is irregular and does not have a size"
+                sizes.append(-1)
+        return tuple(sizes)
 
 
 def storage_address(storage: torch.UntypedStorage) -> int | None:

@@ -169,17 +169,20 @@ def flop_count(info: OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
     if not info.flops_from_shapes:
         return int(info.flop_fn(*args, **kwargs, out_val=out))
     key: list[Any] = [info.aten]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append(a.shape)
-        elif type(a) is list or type(a) is tuple:
-            key.append(tuple([v.shape if isinstance(v, torch.Tensor) else v for v in a]))
-        else:
-            key.append(a)
-    if kwargs:
-        for name, a in kwargs.items():
-            key.append(name)
-            key.append(a.shape if isinstance(a, torch.Tensor) else a)
+    try:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key.append(a.shape)
+            elif type(a) is list or type(a) is tuple:
+                key.append(tuple([v.shape if isinstance(v, torch.Tensor) else v for v in a]))
+            else:
+                key.append(a)
+        if kwargs:
+            for name, a in kwargs.items():
+                key.append(name)
+                key.append(a.shape if isinstance(a, torch.Tensor) else a)
+    except RuntimeError:  # a nested tensor's ragged sizes: torch's formulas cannot count it (0: not counted)
+        return 0
     try:
         signature = tuple(key)
         flops = _FLOP_CACHE.get(signature)

@@ -25,6 +25,7 @@ from ._common import (
     device_name,
     dtype_name,
     flat_outputs,
+    shape_of,
     storage_address,
     storage_key,
 )
@@ -51,6 +52,7 @@ _grad_enabled = torch.is_grad_enabled
 # so that CPython's GC untracks them: a long capture then leaves no pile of containers for a full collection.
 _TOKENS = itertools.count(1)
 _Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
 
 _MODULE = _FIELD_INDEX["module"]
 _MODULE_STACK = _FIELD_INDEX["module_stack"]
@@ -259,12 +261,15 @@ class Recorder:
             dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
             device = "cpu" if first.is_cpu else DEVICE_NAMES.get(first.device) or device_name(first.device)
             if len(outs) == 1:
-                out_shapes = (tuple(first.shape),)
+                try:
+                    out_shapes = (tuple(first.shape),)
+                except RuntimeError:  # a nested tensor: no sizes for its ragged dimensions
+                    out_shapes = (shape_of(first),)
                 out_bytes = first.nelement() * first.element_size()
                 link = (token, index, 0)  # its tag, and the link of its autograd node (see link_pending)
                 setattr(first, _TAG, link)
             else:
-                out_shapes = tuple([tuple(o.shape) for o in outs])
+                out_shapes = tuple([shape_of(o) for o in outs])
                 out_bytes = 0
                 for pos, o in enumerate(outs):
                     out_bytes += o.nelement() * o.element_size()
@@ -278,6 +283,10 @@ class Recorder:
             link = (token, index)  # a collective's outputs may still come (the tensors c10d wrote)
             kind = info.kind if info.kind == "collective" else "other"
         flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
+        try:
+            in_shapes = tuple([tuple(t.shape) for t in tensors])
+        except RuntimeError:
+            in_shapes = tuple([shape_of(t) for t in tensors])
         modules = self.modules
         task = _graph_task_id()
         if task == -1:
@@ -327,7 +336,7 @@ class Recorder:
             dtype,
             device,
             out_bytes,
-            tuple([tuple(t.shape) for t in tensors]),
+            in_shapes,
             tuple(parents),
             inplace,
             flops,
@@ -366,9 +375,11 @@ class Recorder:
     ) -> None:
         keep = self.keep_graph
         watch = self.watch
-        self.saved[index] = [o if keep else o.detach() for o in outs]
+        saved = self.saved[index] = [o if keep else o.detach() for o in outs]
         for pos, o in enumerate(outs):
-            watch(o, (index, 0, pos))
+            if not watch(o, (index, 0, pos)) and o.layout is not _STRIDED:
+                # A sparse output has no one storage to watch for in-place writes: keep a copy of its value.
+                saved[pos] = saved[pos].clone()
         # Replay info. The argument structure is kept as the dispatcher passed it (the tensors in it act as
         # slots, see fill_skeleton): building a copy per op would cost more than the op on small tensors.
         # Untracked tensors (parameters, inputs) are watched so that a later in-place write (an optimizer
@@ -405,7 +416,10 @@ class Recorder:
     def _note_writes(self, index: int, written: list[Tensor]) -> None:
         self._last_write = index
         for t in written:
-            storage = t.untyped_storage()  # made once: storage_key(t) would make it again
+            try:
+                storage = t.untyped_storage()  # made once: storage_key(t) would make it again
+            except NotImplementedError:
+                continue  # sparse: no one storage (its saved outputs are copies, see _save)
             key = storage_address(storage)
             if key is None:
                 continue
@@ -459,10 +473,13 @@ class Recorder:
                 extra.append(base)
         return outs + extra if extra else outs
 
-    def watch(self, t: Tensor, entry: tuple[int, int, int]) -> None:
+    def watch(self, t: Tensor, entry: tuple[int, int, int]) -> bool:
+        """Copy what ``entry`` names before an in-place write into ``t``'s memory; False when ``t`` has none."""
         key = storage_key(t)
-        if key is not None:
-            self._storage_refs.setdefault(key, []).append(entry)
+        if key is None:
+            return False
+        self._storage_refs.setdefault(key, []).append(entry)
+        return True
 
     def _copy_before_write(self, written: list[Tensor]) -> None:
         """Copy saved tensors that share memory with tensors an in-place op is about to overwrite."""
@@ -579,7 +596,11 @@ def _byte_extent(t: Tensor) -> tuple[int, int]:
         n = t.numel()
         return (lo * itemsize, (lo + n) * itemsize) if n else (0, 0)
     hi = lo + 1
-    for size, stride in zip(t.shape, t.stride()):
+    try:
+        strides = t.stride()
+    except RuntimeError:  # a nested tensor: no strides; any byte of its storage
+        return 0, t.untyped_storage().nbytes()
+    for size, stride in zip(t.shape, strides):
         if size == 0:
             return 0, 0
         hi += (size - 1) * abs(stride)

@@ -106,15 +106,15 @@ def tensor_stats(t: Tensor) -> Tensor | list[float] | None:
     On a GPU the result is one small device tensor (no host sync; moved to the host once per window). On CPU
     there is no device to sync with, so it is a list of floats, which lets cheap checks pick the passes: the
     counting passes run only when a NaN/Inf is present, the shifted variance only when it is needed. None for
-    tensors that are empty or not floating point. With a NaN or Inf element present, the counts and min/max
-    are exact while mean, std and norm come out NaN or Inf.
+    tensors that are empty, not floating point, on the meta device, sparse or nested. With a NaN or Inf element
+    present, the counts and min/max are exact while mean, std and norm come out NaN or Inf.
 
     Example:
         >>> finish_stats(tensor_stats(torch.tensor([0.0, 2.0])))
         [1.0, 1.0, 0.0, 2.0, 2.0, 0.5, 0, 0]
     """
-    if t.dtype not in _FLOATS or t.numel() == 0:
-        return None
+    if t.dtype not in _FLOATS or t.numel() == 0 or t.is_meta or t.layout is not torch.strided or t.is_nested:
+        return None  # no values (meta), or not one dense block of them (sparse, nested)
     x = t.detach().reshape(-1)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,23 +80,44 @@ def _write_tensor(group: h5py.Group, name: str, t: torch.Tensor, options: ShardO
         ds.attrs["torch-dtype"] = dtype
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one strided block of values, which a dataset holds; sparse and nested tensors are not."""
+    return t.layout is torch.strided and not t.is_nested
+
+
 def _write_tensors(
     root: h5py.File, name: str, tensors: Mapping[int, list], labels: list[str], options: ShardOptions
 ) -> None:
     """``tensors`` maps op index -> list of outputs (None where not kept). A one-output op is one dataset named
-    by the op's label; a multi-output op a group of datasets named by output position."""
+    by the op's label; a multi-output op a group of datasets named by output position. Sparse and nested
+    tensors are left out (they load as None), with one warning naming their ops."""
     group = root.create_group(name)
     _tag(group, "tensors")
+    left_out: list[str] = []
     for index, outs in tensors.items():
         label = labels[index]
         if len(outs) == 1 and outs[0] is not None:
-            _write_tensor(group, label, outs[0], options)  # the op is found by its (unique) label
+            if _dense(outs[0]):
+                _write_tensor(group, label, outs[0], options)  # the op is found by its (unique) label
+            else:
+                left_out.append(label)
             continue
         # No attributes: the op is found by its label and its output count is len(out_shapes[op]).
         sub = group.create_group(label)
         for pos, t in enumerate(outs):
-            if t is not None:
+            if t is None:
+                continue
+            if _dense(t):
                 _write_tensor(sub, str(pos), t, options)
+            else:
+                left_out.append(f"{label}[{pos}]")
+    if left_out:
+        warnings.warn(
+            f"{root.filename}: {len(left_out)} {name} tensor(s) not written, sparse or nested (a shard holds "
+            f"dense tensors only): {', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}; they load as None",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 _LEAF_SPEC = treespec_dumps(tree_flatten(0)[1])
@@ -124,7 +146,7 @@ def _tree_rows(trace: Trace, root: h5py.File, options: ShardOptions) -> dict[str
         for i, leaf in enumerate(leaves):
             if leaf is None or isinstance(leaf, (bool, int, float, str)):
                 encoded.append(leaf)
-            elif isinstance(leaf, torch.Tensor):
+            elif isinstance(leaf, torch.Tensor) and _dense(leaf):
                 if extra is None:
                     extra = root.create_group("tree_tensors")
                     _tag(extra, "tensors")
