@@ -98,3 +98,30 @@ def test_meta_tensors_trace_shapes_and_flops_without_memory():
     assert [op.flops for op in addmm] == [2 * 8 * 1000 * 1000, 2 * 8 * 1000 * 10]
     assert addmm[0].device == "meta" and addmm[0].out_shapes == ((8, 1000),)
     assert trace.stats_table["op"] == []  # no values to summarise
+
+
+def test_jagged_nested_tensors_record_plain_int_shapes_and_save(tmp_path):
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, nt):
+            return self.lin(nt).relu()
+
+    torch.manual_seed(0)
+    rows = [torch.randn(3, 4), torch.randn(5, 4)]
+    nt = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    model = Head()
+    trace = tl.trace(model, nt)
+    for got, row in zip(trace.output.unbind(), rows):  # each sequence by plain torch
+        assert torch.equal(got, torch.relu(row @ model.lin.weight.T + model.lin.bias))
+    shapes = {op.func: op.out_shapes for op in trace if op.func in ("linear", "relu")}
+    assert shapes == {"linear": ((2, -1, 3),), "relu": ((2, -1, 3),)}  # ints only: the ragged one is -1
+    assert all(type(s) is int for op in trace for shape in op.out_shapes + op.in_shapes for s in shape)
+    with pytest.warns(RuntimeWarning, match="sparse or nested"):
+        trace.save(tmp_path / "jagged.h5")
+    assert (
+        tl.load(tmp_path / "jagged.h5").to_pandas()["out_shapes"].tolist()
+        == trace.to_pandas()["out_shapes"].tolist()
+    )

@@ -104,14 +104,15 @@ def storage_key(t: torch.Tensor) -> int | None:
 
 
 def shape_of(t: torch.Tensor) -> tuple[int, ...]:
-    """``tuple(t.shape)``, and for a nested tensor, whose ragged dimensions have no size, -1 in those.
+    """``tuple(t.shape)`` as plain ints, -1 for a ragged dimension of a nested tensor (which has no size: a
+    strided nested tensor raises for it, a jagged one's is a symbolic "nested int").
 
     Example:
-        >>> shape_of(torch._nested_tensor_from_mask(torch.ones(2, 5, 16), mask))   # rows of 5 and 3
-        (2, -1, 16)
+        >>> shape_of(torch.nested.nested_tensor([torch.ones(3, 4), torch.ones(5, 4)], layout=torch.jagged))
+        (2, -1, 4)
     """
     try:
-        return tuple(t.shape)
+        sizes = tuple(t.shape)
     except RuntimeError:  # "NestedTensorImpl doesn't support sizes"
         sizes = []
         for dim in range(t.dim()):
@@ -120,6 +121,16 @@ def shape_of(t: torch.Tensor) -> tuple[int, ...]:
             except RuntimeError:  # "Given dimension 1 is irregular and does not have a size"
                 sizes.append(-1)
         return tuple(sizes)
+    if all(type(s) is int for s in sizes):
+        return sizes
+    return tuple([s if type(s) is int else _size_int(s) for s in sizes])
+
+
+def _size_int(size: Any) -> int:
+    try:
+        return int(size)
+    except (AttributeError, RuntimeError, TypeError):  # a nested int (the ragged dimension): no one value
+        return -1
 
 
 def storage_address(storage: torch.UntypedStorage) -> int | None:

@@ -262,7 +262,8 @@ class Recorder:
             device = "cpu" if first.is_cpu else DEVICE_NAMES.get(first.device) or device_name(first.device)
             if len(outs) == 1:
                 try:
-                    out_shapes = (tuple(first.shape),)
+                    # A subclass (a jagged nested tensor) may have symbolic sizes: plain ints through shape_of.
+                    out_shapes = (shape_of(first) if subclass else tuple(first.shape),)
                 except RuntimeError:  # a nested tensor: no sizes for its ragged dimensions
                     out_shapes = (shape_of(first),)
                 out_bytes = first.nelement() * first.element_size()
@@ -284,8 +285,12 @@ class Recorder:
             kind = info.kind if info.kind == "collective" else "other"
         flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
         try:
-            in_shapes = tuple([tuple(t.shape) for t in tensors])
-        except RuntimeError:
+            in_shapes = (
+                tuple([shape_of(t) for t in tensors])
+                if subclass
+                else tuple([tuple(t.shape) for t in tensors])
+            )
+        except RuntimeError:  # a nested tensor (as above)
             in_shapes = tuple([shape_of(t) for t in tensors])
         modules = self.modules
         task = _graph_task_id()
