@@ -118,9 +118,8 @@ class ModuleTracker:
         for prefix, root in roots:
             self._add_root(root, prefix)
         self._handles: list[Any] = []
-        self._warning_filter: tuple | None = (
-            None  # the warnings filter install() added, removed by uninstall()
-        )
+        # The warnings filter install() added, which uninstall() removes.
+        self._warning_filter: tuple | None = None
         self.edits: Any = None  # tl_dist._intervene.Interventions while a window has module-site edits
 
     # -- naming -------------------------------------------------------------------------------------------
@@ -226,10 +225,8 @@ class ModuleTracker:
         if in_engine:
             # Checkpoint recomputation: the ops belong to the module's forward call, already in the table.
             stack, source = self._forward_calls.get(key) or (self.address_stack + (address,), "")
-            if (
-                self._stack and key not in self.names
-            ):  # outside the tree: its last call may be another caller's
-                stack = self.address_stack + (address,)
+            if self._stack and key not in self.names:
+                stack = self.address_stack + (address,)  # outside the tree: its last call was maybe another's
             self._stack.append((key, -1, stack, source, _is_builtin(shown)))
             self.recompute_calls += 1
             self._set_current()

@@ -261,16 +261,10 @@ class Recorder:
             dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
             device = "cpu" if first.is_cpu else DEVICE_NAMES.get(first.device) or device_name(first.device)
             if len(outs) == 1:
-                try:
-                    # A subclass (a jagged nested tensor) may have symbolic sizes: plain ints through shape_of.
-                    out_shapes = (shape_of(first) if subclass else tuple(first.shape),)
-                except RuntimeError:  # a nested tensor: no sizes for its ragged dimensions
-                    out_shapes = (shape_of(first),)
                 out_bytes = first.nelement() * first.element_size()
                 link = (token, index, 0)  # its tag, and the link of its autograd node (see link_pending)
                 setattr(first, _TAG, link)
             else:
-                out_shapes = tuple([shape_of(o) for o in outs])
                 out_bytes = 0
                 for pos, o in enumerate(outs):
                     out_bytes += o.nelement() * o.element_size()
@@ -280,18 +274,23 @@ class Recorder:
         else:
             dtype = device = ""
             out_bytes = 0
-            out_shapes = ()
             link = (token, index)  # a collective's outputs may still come (the tensors c10d wrote)
             kind = info.kind if info.kind == "collective" else "other"
-        flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
-        try:
-            in_shapes = (
-                tuple([shape_of(t) for t in tensors])
-                if subclass
-                else tuple([tuple(t.shape) for t in tensors])
-            )
-        except RuntimeError:  # a nested tensor (as above)
+        if (
+            subclass
+        ):  # a subclass (a jagged nested tensor) may have symbolic sizes: plain ints through shape_of
             in_shapes = tuple([shape_of(t) for t in tensors])
+            out_shapes = tuple([shape_of(o) for o in outs])
+        else:
+            try:
+                in_shapes = tuple([tuple(t.shape) for t in tensors])
+                out_shapes = (
+                    (tuple(outs[0].shape),) if len(outs) == 1 else tuple([tuple(o.shape) for o in outs])
+                )
+            except RuntimeError:  # a nested tensor: its ragged dimensions have no size
+                in_shapes = tuple([shape_of(t) for t in tensors])
+                out_shapes = tuple([shape_of(o) for o in outs])
+        flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
         modules = self.modules
         task = _graph_task_id()
         if task == -1:
