@@ -378,6 +378,10 @@ def test_a_window_silences_torchs_global_hook_warning_and_leaves_the_filters_as_
         with tl.capture() as cap:
             compiled(x)
         assert list(warnings.filters) == before  # nothing of the window's is left
+        with pytest.raises(RuntimeError, match="the user's code failed"), tl.capture():
+            compiled(x)
+            raise RuntimeError("the user's code failed")
+        assert list(warnings.filters) == before  # nor when the window ends in an exception
         assert [str(w.message) for w in caught if message in str(w.message)] == []
         assert cap.trace.module_table["address"] == [""]
         handle = register_module_forward_hook(

@@ -10,6 +10,7 @@ run's gradients.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache
@@ -68,7 +69,7 @@ def _hook_state(model: nn.Module) -> tuple:
         for name, m in model.named_modules()
     }
     global_hooks = tuple(tuple(getattr(nn_module, d).keys()) for d in _GLOBAL_HOOK_DICTS)
-    return per_module, global_hooks, len(_get_current_dispatch_mode_stack())
+    return per_module, global_hooks, len(_get_current_dispatch_mode_stack()), tuple(warnings.filters)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
