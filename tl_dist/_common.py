@@ -141,6 +141,25 @@ def storage_address(storage: torch.UntypedStorage) -> int | None:
         return None
 
 
+def byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, end) bytes of its storage that ``t`` can touch (a superset for strided views)."""
+    lo = t.storage_offset()
+    itemsize = t.element_size()
+    if t.is_contiguous():
+        n = t.numel()
+        return (lo * itemsize, (lo + n) * itemsize) if n else (0, 0)
+    hi = lo + 1
+    try:
+        strides = t.stride()
+    except RuntimeError:  # a nested tensor: no strides; any byte of its storage
+        return 0, t.untyped_storage().nbytes()
+    for size, stride in zip(t.shape, strides):
+        if size == 0:
+            return 0, 0
+        hi += (size - 1) * abs(stride)
+    return lo * itemsize, hi * itemsize
+
+
 def clone_strided(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` with ``t``'s strides. ``clone()`` keeps the strides only of a dense tensor: a chunk of a
     wider tensor (stride (64, 1) for shape (4, 16)) comes back contiguous, and a kernel run on it takes another

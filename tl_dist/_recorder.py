@@ -22,6 +22,7 @@ from ._common import (
     DTYPE_NAMES,
     RowView,
     arg_tensors,
+    byte_extent,
     device_name,
     dtype_name,
     flat_outputs,
@@ -427,7 +428,7 @@ class Recorder:
             key = storage_address(storage)
             if key is None:
                 continue
-            lo, hi = _byte_extent(t)
+            lo, hi = byte_extent(t)
             if hi <= lo:
                 continue
             owner = self._written_storage.get(key)
@@ -454,7 +455,7 @@ class Recorder:
         entries = self._writes.get(key)
         if not entries or entries[-1][0] <= since or self._written_storage[key]() is not t.untyped_storage():
             return -1
-        lo, hi = _byte_extent(t)
+        lo, hi = byte_extent(t)
         for index, wlo, whi in reversed(entries):
             if index <= since:
                 break
@@ -590,22 +591,3 @@ class Recorder:
             for index, start, end in self.cuda_events:
                 durations[index] = int(start.elapsed_time(end) * 1e6)
         return columns
-
-
-def _byte_extent(t: Tensor) -> tuple[int, int]:
-    """[first, end) bytes of its storage that ``t`` can touch (a superset for strided views)."""
-    lo = t.storage_offset()
-    itemsize = t.element_size()
-    if t.is_contiguous():
-        n = t.numel()
-        return (lo * itemsize, (lo + n) * itemsize) if n else (0, 0)
-    hi = lo + 1
-    try:
-        strides = t.stride()
-    except RuntimeError:  # a nested tensor: no strides; any byte of its storage
-        return 0, t.untyped_storage().nbytes()
-    for size, stride in zip(t.shape, strides):
-        if size == 0:
-            return 0, 0
-        hi += (size - 1) * abs(stride)
-    return lo * itemsize, hi * itemsize
