@@ -5,7 +5,9 @@ wall-clock A/Bs cannot tell whether a change to the recorder's hot path helps. I
 script runs the step of ``bench_telemetry.py`` (forward, backward, SGD with momentum) on a small model, where
 Python per op dominates, under valgrind's cachegrind for each mode, twice (``--steps`` apart), and prints the
 difference per step and per op, so start-up (importing torch) cancels. With every thread pool at one thread
-and a fixed hash seed, two runs agree to ~0.01% (47,828 and 47,827 instructions per op):
+and a fixed hash seed, two runs of the same code agree to ~0.01% (47,828 and 47,827 instructions per op).
+A change elsewhere in the package moves objects in memory and can shift the count by ~0.4% (moving one
+function to another module read 353 fewer per op), so differences under ~0.5% say nothing:
 
 - ``plain``: the step alone; ``floor``: in a pass-through TorchDispatchMode (the least any dispatcher-level
   tracer costs); ``window``: in ``tl.capture()`` (the telemetry default).
