@@ -133,6 +133,17 @@ def _size_int(size: Any) -> int:
         return -1
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are one strided block (what a dataset holds and a flat reduction reads); sparse
+    and nested tensors are not.
+
+    Example:
+        >>> is_dense(torch.ones(2, 3)), is_dense(torch.ones(2, 3).to_sparse())
+        (True, False)
+    """
+    return t.layout is torch.strided and not t.is_nested
+
+
 def storage_address(storage: torch.UntypedStorage) -> int | None:
     """:func:`storage_key` of a tensor whose storage is at hand."""
     try:

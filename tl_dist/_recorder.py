@@ -277,20 +277,18 @@ class Recorder:
             out_bytes = 0
             link = (token, index)  # a collective's outputs may still come (the tensors c10d wrote)
             kind = info.kind if info.kind == "collective" else "other"
-        if (
-            subclass
-        ):  # a subclass (a jagged nested tensor) may have symbolic sizes: plain ints through shape_of
-            in_shapes = tuple([shape_of(t) for t in tensors])
-            out_shapes = tuple([shape_of(o) for o in outs])
-        else:
+        out_shapes = None
+        if not subclass:
             try:
                 in_shapes = tuple([tuple(t.shape) for t in tensors])
                 out_shapes = (
                     (tuple(outs[0].shape),) if len(outs) == 1 else tuple([tuple(o.shape) for o in outs])
                 )
             except RuntimeError:  # a nested tensor: its ragged dimensions have no size
-                in_shapes = tuple([shape_of(t) for t in tensors])
-                out_shapes = tuple([shape_of(o) for o in outs])
+                pass
+        if out_shapes is None:  # that, or a subclass with symbolic sizes (a jagged nested tensor): plain ints
+            in_shapes = tuple([shape_of(t) for t in tensors])
+            out_shapes = tuple([shape_of(o) for o in outs])
         flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
         modules = self.modules
         task = _graph_task_id()

@@ -32,7 +32,7 @@ import torch
 
 from ._common import FLOAT_DTYPES as _FLOATS
 from ._common import STAT_NAMES as _STAT_NAMES
-from ._common import RowView
+from ._common import RowView, is_dense
 from .schema import OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .trace import first_nonfinite, nonfinite_value, op_stats  # noqa: F401 (moved to trace; old path)
 
@@ -113,7 +113,7 @@ def tensor_stats(t: Tensor) -> Tensor | list[float] | None:
         >>> finish_stats(tensor_stats(torch.tensor([0.0, 2.0])))
         [1.0, 1.0, 0.0, 2.0, 2.0, 0.5, 0, 0]
     """
-    if t.dtype not in _FLOATS or t.numel() == 0 or t.is_meta or t.layout is not torch.strided or t.is_nested:
+    if t.dtype not in _FLOATS or t.numel() == 0 or t.is_meta or not is_dense(t):
         return None  # no values (meta), or not one dense block of them (sparse, nested)
     x = t.detach().reshape(-1)
     if x.dtype in (torch.float16, torch.bfloat16):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
+from .._common import is_dense
 from .._files import replacing
 from ..schema import (
     COLLECTIVE_FIELDS,
@@ -80,11 +81,6 @@ def _write_tensor(group: h5py.Group, name: str, t: torch.Tensor, options: ShardO
         ds.attrs["torch-dtype"] = dtype
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` is one strided block of values, which a dataset holds; sparse and nested tensors are not."""
-    return t.layout is torch.strided and not t.is_nested
-
-
 def _write_tensors(
     root: h5py.File, name: str, tensors: Mapping[int, list], labels: list[str], options: ShardOptions
 ) -> None:
@@ -97,7 +93,7 @@ def _write_tensors(
     for index, outs in tensors.items():
         label = labels[index]
         if len(outs) == 1 and outs[0] is not None:
-            if _dense(outs[0]):
+            if is_dense(outs[0]):
                 _write_tensor(group, label, outs[0], options)  # the op is found by its (unique) label
             else:
                 left_out.append(label)
@@ -107,7 +103,7 @@ def _write_tensors(
         for pos, t in enumerate(outs):
             if t is None:
                 continue
-            if _dense(t):
+            if is_dense(t):
                 _write_tensor(sub, str(pos), t, options)
             else:
                 left_out.append(f"{label}[{pos}]")
@@ -146,7 +142,7 @@ def _tree_rows(trace: Trace, root: h5py.File, options: ShardOptions) -> dict[str
         for i, leaf in enumerate(leaves):
             if leaf is None or isinstance(leaf, (bool, int, float, str)):
                 encoded.append(leaf)
-            elif isinstance(leaf, torch.Tensor) and _dense(leaf):
+            elif isinstance(leaf, torch.Tensor) and is_dense(leaf):
                 if extra is None:
                     extra = root.create_group("tree_tensors")
                     _tag(extra, "tensors")
