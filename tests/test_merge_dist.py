@@ -76,6 +76,8 @@ def _fault_body(rank, world_size, out_dir, case):
                 if rank == 0:
                     dist.all_reduce(b, group=group)  # rank 1 never joins: times out, incomplete shard
                 else:
+                    with torch.profiler.record_function("before the hang"):  # its markers are not "last op"
+                        b.mul_(3)
                     (out_dir / "rank1.pid").write_text(str(os.getpid()))
                     time.sleep(60)  # hangs until rank 0 gives up and kills it
             dist.all_reduce(a, group=group)
@@ -173,7 +175,9 @@ def test_hang_run_not_completed_from_incomplete_shards(tmp_path):
     assert where[0]["label"] == "all_reduce_2" and where[0]["source"].endswith(
         f":{_line('rank 1 never joins')}"
     )
-    assert where[1]["absent"] and where[1]["last_label"] == "all_reduce_1"
+    # rank 1's last real op, not the profiler range's exit marker recorded after it
+    assert where[1]["absent"] and where[1]["last_label"] == "mul__1", where[1]
+    assert where[1]["last_source"].endswith(f":{_line('b.mul_(3)')}")
     # rank 0's all_reduce_2 failed (gloo timeout): its work finished with an error, which is not completion
     hung = g.rank(0)
     states = {

@@ -239,6 +239,19 @@ def module_address(op: Any) -> str | None:
     return get("module", "") or ""
 
 
+def is_profiler_marker(aten: str) -> bool:
+    """Whether an op (by its ``aten`` overload name) only marks a ``torch.profiler.record_function`` range:
+    ``profiler._record_function_enter_new`` and ``_exit``, which DDP's forward, ``Optimizer.step`` and user
+    code put around real work. They compute nothing, so views neither draw them nor name one as where a rank
+    last was.
+
+    Example:
+        >>> is_profiler_marker("profiler._record_function_exit._RecordFunction"), is_profiler_marker("aten.mm.default")
+        (True, False)
+    """
+    return aten.startswith("profiler.")
+
+
 def module_name(op: Any) -> str:
     """How views name an op's module (:func:`module_address`): its address, ``<root>`` for the root module,
     :data:`OUTSIDE` outside every module."""

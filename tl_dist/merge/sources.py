@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MergeError, ShardFormatError
-from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, module_name
+from ..schema import COLLECTIVE_FIELDS, MODULE_CALL_FIELDS, OP_FIELDS, is_profiler_marker, module_name
 from ..step_facts import local_facts, window_span
 from ..store import (
     ARRAY_DTYPES,
@@ -247,7 +247,7 @@ class RankData:
 
 
 _OP_FIELDS = tuple(
-    f for f in OP_FIELDS if f.name in ("kind", "start_ns", "duration_ns", "label", "module", "source")
+    f for f in OP_FIELDS if f.name in ("kind", "aten", "start_ns", "duration_ns", "label", "module", "source")
 )
 _COLL_FIELDS = tuple(  # what an Entry holds
     f
@@ -314,6 +314,14 @@ def trace_rank(trace: Trace, names: Interner, key: tuple) -> RankData:
     return rank_data(tables, dict(trace.metadata), trace.failed_op, names, key)
 
 
+def _last_real_op(aten_ids: np.ndarray, names: Interner) -> int:
+    """Index of the last op that is not a profiler marker (the last op when every one is)."""
+    kinds = np.unique(aten_ids)
+    markers = kinds[[is_profiler_marker(names.strings[int(k)]) for k in kinds]]
+    real = np.flatnonzero(~np.isin(aten_ids, markers))
+    return int(real[-1]) if real.size else len(aten_ids) - 1
+
+
 def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, key: tuple) -> RankData:
     """The :class:`RankData` of one shard's tables (see the module docstring)."""
     step, rank = key
@@ -339,10 +347,11 @@ def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, 
         hung = None if data.complete else ct["issue_ns"][ct["complete_ns"] < 0]
         data.local = local_facts(is_coll, starts, durations, async_spans, window_span(metadata), hung)
         data.first_ns = int(starts.min())
-        last = np.array([n - 1])
+        last_i = _last_real_op(ids(ops, op_cat, "aten"), names)
+        last = np.array([last_i])
         module = names.strings[int(ids(ops, op_cat, "module", last)[0])]
         data.last_op = {
-            "op": n - 1,
+            "op": last_i,
             "label": names.strings[int(ids(ops, op_cat, "label", last)[0])],
             "module": module_name({"module": module, "module_stack": bool(in_module[-1])}),
             "source": names.strings[int(ids(ops, op_cat, "source", last)[0])],

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..schema import PHASES, module_address
+from ..schema import PHASES, is_profiler_marker, module_address
 from .summary import format_count, format_ns, format_shape
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ _PHASE_TAG = {"backward": "bwd", "optimizer": "opt", "forward": "fwd", "recomput
 def is_bookkeeping(func: str, aten: str, kind: str) -> bool:
     """Ops that move no values of their own: views (``t``, ``view``, ``detach``, ``as_strided`` ...),
     allocations (``empty``) and profiler markers (``_record_function_enter``)."""
-    return kind == "view" or func in _ALLOCATION or aten.startswith("profiler.")
+    return kind == "view" or func in _ALLOCATION or is_profiler_marker(aten)
 
 
 @dataclass
