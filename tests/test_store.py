@@ -404,7 +404,10 @@ def test_a_shard_whose_output_type_this_process_lacks_loads_with_its_values(tmp_
         [sys.executable, "-c", _WRITER_WITH_OWN_PYTREE_TYPE, str(path), str(ref)], check=True, timeout=120
     )
     want = torch.load(ref)
-    with pytest.warns(RuntimeWarning, match=r"writer_only\.Out in pytree is not registered.*tuples of their"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"^module outputs of type writer_only\.Out \(registered .*\) read as tuples of their",
+    ):
         trace = tl.load(path)
     assert isinstance(trace.output, tuple) and len(trace.output) == 2
     assert torch.equal(trace.output[0], want["logits"]) and torch.equal(trace.output[1], want["hidden"])
@@ -419,3 +422,16 @@ def test_a_shard_whose_output_type_this_process_lacks_loads_with_its_values(tmp_
     with pytest.warns(RuntimeWarning, match="writer_only.Out"):
         frame = tl.merge_ranks(tmp_path / "run").to_pandas()
     assert list(frame["label"]) == list(trace.to_pandas()["label"])
+    # the command line says it in one line of its own, without Python's file:line and source echo
+    cli = subprocess.run(
+        [sys.executable, "-m", "tl_dist.cli", "merge", str(tmp_path / "run"), "-o", str(tmp_path / "merged")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    lines = cli.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tl-dist: warning: "), cli.stderr
+    assert (
+        "module outputs of type writer_only.Out (registered" in lines[0] and "warnings.warn" not in lines[0]
+    )

@@ -246,8 +246,19 @@ def _run(args: argparse.Namespace, target: Any, wrote: bool = False) -> None:
         print(f"wrote {target.to_perfetto(args.perfetto)}")
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    # A command-line user gets one line per warning; Python's default adds tl_dist's file:line and source.
+    print(f"tl-dist: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tl-dist`` console script; returns the exit code."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     progress = not args.quiet and sys.stderr.isatty()
     split = getattr(args, "split", None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -133,7 +134,8 @@ def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, A
             # A pytree node type the writing process registered and this one has not (its module is not
             # imported here: transformers' ModelOutput in a merge process). The structure is unknown here; the
             # values are not: they read as a tuple of the leaves.
-            unregistered.add(str(exc))
+            named = re.search(r"Deserializing (\S+) in pytree", str(exc))
+            unregistered.add(named.group(1) if named else str(exc))
             spec = tree_flatten(tuple(range(len(leaves))))[1]
         if row < 0:
             output = spec.unflatten(leaves)
@@ -141,8 +143,10 @@ def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, A
             trees[row] = (spec, leaves)
     if unregistered:
         warnings.warn(
-            f"{' '.join(sorted(unregistered))} Module outputs of those types read as tuples of their values; "
-            "import the module that registers them before loading to get them back as they were returned",
+            # No file name: Python shows one warning per distinct message, and a merge reads every rank's shard.
+            f"module outputs of type {', '.join(sorted(unregistered))} (registered with torch's "
+            "pytree where the shard was written, not in this process) read as tuples of their values; import "
+            "the module that registers them before loading to get them back as they were returned",
             RuntimeWarning,
             stacklevel=3,
         )
