@@ -150,3 +150,38 @@ def test_param_grads_are_ddps_reduced_gradients(tmp_path) -> None:  # noqa: ANN0
             assert torch.equal(got[name], want[name]), name
             assert not torch.allclose(got[name], local[name])  # the reduced gradient, not this rank's own
     assert all(torch.equal(results[0]["got"][n], results[1]["got"][n]) for n in results[0]["got"])
+
+
+class _SelfCheckpointed(torch.nn.Module):
+    """A layer that checkpoints its own method, not its __call__ (transformers 5's GradientCheckpointingLayer
+    checkpoints ``partial(forward, self)``): no module hook fires when the engine recomputes it."""
+
+    def __init__(me, reentrant: bool) -> None:  # noqa: N805 (any name for the module argument)
+        super().__init__()
+        me.fc = torch.nn.Linear(4, 4)
+        me.reentrant = reentrant
+
+    def body(me, x: torch.Tensor) -> torch.Tensor:  # noqa: N805
+        return torch.sigmoid(me.fc(x)) * 2 + x
+
+    def forward(me, x: torch.Tensor) -> torch.Tensor:  # noqa: N805
+        return torch.utils.checkpoint.checkpoint(me.body, x, use_reentrant=me.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_layer_checkpointing_its_own_method_keeps_its_ops_and_its_gradient(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _SelfCheckpointed(reentrant), torch.nn.Linear(4, 1))
+    x = torch.randn(3, 4, requires_grad=reentrant)  # reentrant checkpoint needs an input that requires grad
+    (want,) = _plain_output_grad(copy.deepcopy(model), "1", x)
+    with tl.capture(save_grads=True) as cap:
+        (model(x) ** 2).sum().backward()
+    t = cap.trace
+    recomputed = [(op.func, op.module) for op in t if op.phase == "recompute" and op.kind != "view"]
+    # Non-reentrant recomputation stops once it has what the backward needs (sigmoid's output); reentrant
+    # reruns the whole body. Either way the ops are the layer's, not the root's.
+    body = [("addmm", "1.fc"), ("sigmoid", "1"), ("mul", "1"), ("add", "1")]
+    assert recomputed == (body if reentrant else body[:2])
+    assert all(op.module_stack[:2] == ("", "1") for op in t if op.phase == "recompute")
+    # The gradient w.r.t. the layer's output, which reentrant checkpoint's Function returns.
+    assert torch.equal(t.module("1").grad, want)

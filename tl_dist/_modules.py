@@ -26,6 +26,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._common import TAG, TORCH_DIR
+from ._phases import CHECKPOINT_FILE
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
 _LEAF_SPEC = tree_flatten(torch.empty(0))[1]
@@ -310,6 +311,25 @@ class ModuleTracker:
                 if forward is None or not forward[0]:
                     return None
                 return forward[0][-1], forward[0], row
+            frame = frame.f_back
+        return None
+
+    def recompute_owner(self) -> tuple[str, tuple[str, ...]] | None:
+        """(address, address stack) for an op of checkpoint recomputation run outside every module call: the
+        checkpointed function is a module's method, not its ``__call__`` (transformers checkpoints
+        ``partial(forward, self)``; ``checkpoint(self._block, x)``), so no module hook fired. The owner is the
+        innermost module whose method runs between the op and ``torch.utils.checkpoint``, named as in its
+        forward call; None when there is none (a free function)."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename == CHECKPOINT_FILE:
+                return None
+            if code.co_argcount:  # a method's first argument, whatever its name
+                module = frame.f_locals.get(code.co_varnames[0])
+                forward = self._forward_calls.get(id(module)) if isinstance(module, torch.nn.Module) else None
+                if forward is not None and forward[0]:
+                    return forward[0][-1], forward[0]
             frame = frame.f_back
         return None
 

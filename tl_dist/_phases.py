@@ -43,7 +43,7 @@ SPECIAL = frozenset(
     }
 )
 _SEED_MAKER = torch.autograd._make_grads.__code__
-_CHECKPOINT = TORCH_DIR + "utils/checkpoint.py"
+CHECKPOINT_FILE = TORCH_DIR + "utils/checkpoint.py"  # torch.utils.checkpoint, found on the Python stack
 _current_node = torch._C._current_autograd_node
 _get_ident = threading.get_ident
 
@@ -122,7 +122,7 @@ def in_recompute(recompute_calls: int) -> bool:
         return True
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_filename == _CHECKPOINT:
+        if frame.f_code.co_filename == CHECKPOINT_FILE:
             return True
         frame = frame.f_back
     return False

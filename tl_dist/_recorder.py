@@ -311,6 +311,8 @@ class Recorder:
             # Checkpoint recomputation: forward code run again by the engine; its module is the forward call's.
             phase, fwd_op = "recompute", -1
             address, stack, call = modules.current_address, modules.address_stack, -1
+            if not modules.recompute_calls and (owner := modules.recompute_owner()) is not None:
+                address, stack = owner
             source = self.locate() if self.locate is not None else ""
         else:
             phase, fwd_op, call = "backward", backward_link(token), -1
@@ -504,6 +506,10 @@ class Recorder:
         token = self.token
         ops: list[int] = []
         poss: list[int] = []
+        if (
+            self.pending is not None
+        ):  # linked first: a leaf's node the next check sees unlinked is not its op's
+            self.training.link_pending()
         for leaf in leaves:
             tag = getattr(leaf, _TAG, None) if isinstance(leaf, Tensor) else None
             if tag is None or tag[0] != token:
@@ -511,6 +517,8 @@ class Recorder:
                 poss.append(-1)
                 continue
             index, pos = tag[1], tag[2]
+            if leaf.requires_grad:
+                self.training.link_module_output(leaf, tag)
             ops.append(index)
             poss.append(pos)
             modules_out = self.output_of.setdefault(index, [])

@@ -46,6 +46,7 @@ _KIND = field_names(OP_FIELDS).index("kind")
 _PHASE = field_names(OP_FIELDS).index("phase")
 _FUNC = field_names(OP_FIELDS).index("func")
 _PARAMS = field_names(OP_FIELDS).index("params")
+_OUT_SHAPES = field_names(OP_FIELDS).index("out_shapes")
 _engine = torch.autograd.Variable._execution_engine
 # Ops stats=True skips besides views: uninitialised memory (its "statistics" are garbage, NaN included, and
 # would fool first_nonfinite) and copies/aliases whose values are their input's, already counted.
@@ -327,6 +328,25 @@ class TrainingState:
                 continue
             meta[_KEY] = link
             todo.extend(n for n, _ in node.next_functions if n is not None)
+
+    def link_module_output(self, leaf: Tensor, tag: tuple) -> None:
+        """Links a module's output leaf made by op ``tag[1]`` whose autograd node appeared after that op ran:
+        the op ran without grad inside an autograd Function's forward (reentrant checkpoint's, a custom
+        Function's) and the Function's node came with its return. Its gradient is then the module's."""
+        node = leaf.grad_fn
+        if node is None:
+            return
+        meta = node.metadata
+        old = meta.get(_KEY)
+        if old is not None and old[0] is tag[0]:
+            return  # linked when its op ran, or by an earlier module returning the same tensor
+        meta[_KEY] = tag
+        if self.hooks_on:
+            index, pos = tag[1], tag[2]
+            n_out = len(self.rec.rows[index][_OUT_SHAPES])
+            self._node_handles.append(
+                node.register_prehook(self._grad_hook(index, n_out, [(pos, leaf.output_nr)], pos))
+            )
 
     def link_pending(self) -> None:
         """Tags the autograd nodes of the previous op's outputs with that op; adds gradient hooks if selected."""
