@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .schema import OP_FIELDS, STAT_FIELDS, field_names
 
@@ -169,6 +170,51 @@ def byte_extent(t: torch.Tensor) -> tuple[int, int]:
             return 0, 0
         hi += (size - 1) * abs(stride)
     return lo * itemsize, hi * itemsize
+
+
+def has_its_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage still holds the bytes ``t`` reads. FSDP frees an unsharded parameter after use by
+    resizing its storage to 0 bytes, which leaves every view of it saved earlier pointing at no memory (reading
+    one crashes the process). True for tensors without a storage of their own (sparse, nested, subclasses)."""
+    try:
+        nbytes = t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        return True
+    return nbytes >= byte_extent(t)[1]
+
+
+_Parameter = torch.nn.Parameter
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds a wrapper subclass's values in this process: a DTensor's local shard, an
+    AsyncCollectiveTensor's buffer (the first inner tensor of ``__tensor_flatten__``, recursively); ``t`` itself
+    for a plain tensor. tl_dist's own reductions and copies run with Python dispatch off, where a wrapper (no
+    storage of its own) cannot be read, and must not run the subclass's dispatch (a DTensor reduction would
+    issue collectives).
+
+    Example:
+        >>> local_tensor(dtensor).shape  # this rank's shard
+    """
+    while type(t) is not torch.Tensor and type(t) is not _Parameter and is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        t = getattr(t, attrs[0])
+    return t
+
+
+def map_local(t: torch.Tensor, fn: Any) -> torch.Tensor:
+    """``fn`` (a copy, a detach) applied to the plain tensor(s) inside ``t``, rebuilt as ``t``'s subclass
+    without running its dispatch (``__tensor_unflatten__``); ``fn(t)`` for a plain tensor. Runs with Python
+    dispatch off, as :func:`local_tensor`.
+
+    Example:
+        >>> map_local(dtensor, torch.Tensor.clone)  # a DTensor over a copy of the local shard
+    """
+    if type(t) is torch.Tensor or type(t) is _Parameter or not is_traceable_wrapper_subclass(t):
+        return fn(t)
+    attrs, ctx = t.__tensor_flatten__()
+    inner = {a: map_local(v, fn) if isinstance(v := getattr(t, a), torch.Tensor) else v for a in attrs}
+    return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
 
 
 def clone_strided(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _session
-from ._common import storage_key
+from ._common import has_its_bytes, local_tensor, map_local, storage_key
 from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .compiled import RegionHook, watch_compiles
@@ -236,6 +236,7 @@ class Capture:
             metadata.update(self._interventions.metadata())
         if self._regions is not None and self._regions.unknown:
             metadata["compiled_unknown"] = self._regions.unknown
+        _drop_freed(rec.saved, rec.training.grads, columns["label"])
         trace = Trace(
             columns,
             modules.calls,  # the tracker is done with it: no copy
@@ -313,11 +314,32 @@ class Capture:
                 fresh = not cols["inplace"][index] and cols["kind"][index] in ("compute", "factory")
                 for pos, t in enumerate(outs):
                     if t is not None and not (fresh and storage_key(t) not in persistent):
-                        outs[pos] = t.clone()
+                        outs[pos] = map_local(t, torch.Tensor.clone)
             for outs in trace.grads.values():
                 for pos, t in enumerate(outs):
                     if t is not None and storage_key(t) in persistent:
-                        outs[pos] = t.clone()
+                        outs[pos] = map_local(t, torch.Tensor.clone)
+
+
+def _drop_freed(saved: dict[int, list], grads: dict[int, list], labels: list[str]) -> None:
+    """Forgets saved outputs and gradients whose memory was freed during the window (FSDP's unsharded
+    parameters, :func:`has_its_bytes`): their values are gone, and reading them would crash the process."""
+    lost = []
+    with torch._C._DisableTorchDispatch():
+        for kept in (saved, grads):
+            for index, outs in kept.items():
+                for pos, t in enumerate(outs):
+                    if t is not None and not has_its_bytes(local_tensor(t)):
+                        outs[pos] = None
+                        lost.append(labels[index])
+    if lost:
+        warnings.warn(
+            f"{len(lost)} saved tensor(s) were freed before the window ended and are not kept: "
+            f"{', '.join(dict.fromkeys(lost[:5]))}{' ...' if len(lost) > 5 else ''} (FSDP frees each unsharded "
+            "parameter after use; an op that only views one, such as `t`, shares its memory)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _in_flight(frame: Any) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._common import local_tensor
 from ._opinfo import UNINITIALISED, unreproducible_outputs
 from .errors import TlDistError
 from .trace import Op, Trace
@@ -51,7 +52,9 @@ def _flat(outs: list | None) -> torch.Tensor | None:
         t = t.detach()
         if t.is_complex():
             t = torch.view_as_real(t)
-        parts.append(t.reshape(-1).to(device="cpu", dtype=torch.float64))
+        parts.append(
+            local_tensor(t).reshape(-1).to(device="cpu", dtype=torch.float64)
+        )  # a DTensor: its shard
     return torch.cat(parts) if parts else None
 
 

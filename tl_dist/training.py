@@ -32,7 +32,7 @@ import torch
 
 from ._common import FLOAT_DTYPES as _FLOATS
 from ._common import STAT_NAMES as _STAT_NAMES
-from ._common import RowView, is_dense
+from ._common import RowView, is_dense, local_tensor, map_local
 from .schema import OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .trace import first_nonfinite, nonfinite_value, op_stats  # noqa: F401 (moved to trace; old path)
 
@@ -62,6 +62,10 @@ _NO_STATS = frozenset(
         "alias",
     }
 )
+
+
+def _detached_copy(t: Tensor) -> Tensor:
+    return t.detach().clone()
 
 
 def _stats_by_default(row: tuple) -> bool:
@@ -114,6 +118,7 @@ def tensor_stats(t: Tensor) -> Tensor | list[float] | None:
         >>> finish_stats(tensor_stats(torch.tensor([0.0, 2.0])))
         [1.0, 1.0, 0.0, 2.0, 2.0, 0.5, 0, 0]
     """
+    t = local_tensor(t)  # a DTensor's statistics are its local shard's: no collective, this rank's values
     if t.dtype not in _FLOATS or t.numel() == 0 or t.is_meta or not is_dense(t):
         return None  # no values (meta), or not one dense block of them (sparse, nested)
     x = t.detach().reshape(-1)
@@ -426,7 +431,7 @@ class TrainingState:
                         saved = self.grads.get(index)
                         if saved is None:
                             saved = self.grads[index] = [None] * n_out
-                        saved[pos] = g.detach() if g.requires_grad else g
+                        saved[pos] = map_local(g, Tensor.detach) if g.requires_grad else g
                         # An in-place write later in the window (grad accumulation into .grad) must not
                         # change the stored gradient: copy-before-write, as for saved outputs.
                         rec.watch(g, (index, 2, pos))
@@ -462,4 +467,4 @@ class TrainingState:
                         continue
                     name = names.get(id(p))
                     if name is not None and (wanted is None or name in wanted):
-                        self.param_grads[name] = p.grad.detach().clone()
+                        self.param_grads[name] = map_local(p.grad, _detached_copy)

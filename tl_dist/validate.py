@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._common import VALIDATE_ATOL, VALIDATE_RTOL, clone_strided, flat_outputs
+from ._common import VALIDATE_ATOL, VALIDATE_RTOL, clone_strided, flat_outputs, local_tensor
 from ._opinfo import UNINITIALISED, draws_random, mutated_tensors, op_info, unreproducible_outputs
 from ._reexec import fill_args
 from .errors import TlDistError, ValidationError
@@ -93,7 +93,8 @@ def _compare(expected: torch.Tensor, got: torch.Tensor, atol: float, rtol: float
         return math.inf, f"dtype {got.dtype} != saved {expected.dtype}"
     if expected.numel() == 0:
         return None
-    exp, res = expected.detach(), got.detach().to(expected.device)
+    # A DTensor's values on this rank are its local shard (comparing DTensors would need collectives).
+    exp, res = local_tensor(expected).detach(), local_tensor(got).detach().to(expected.device)
     if exp.is_floating_point() or exp.is_complex():
         if torch.allclose(res, exp, atol=atol, rtol=rtol, equal_nan=True):
             return None

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
-from .._common import is_dense
+from .._common import is_dense, local_tensor
 from .._files import replacing
 from ..schema import (
     COLLECTIVE_FIELDS,
@@ -58,7 +58,7 @@ _RAW_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _tensor_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    t = t.detach()
+    t = local_tensor(t).detach()  # a rank's shard holds a DTensor's local part
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_conj():
