@@ -138,3 +138,45 @@ def test_a_real_window_sleeping_before_its_first_op():
     assert f"window {format_ns(f['window_ns'])} (enter -> leave): idle {format_ns(f['idle_before_ns'])}" in (
         cap.trace.summary()
     )
+
+
+def _blocking_wait(rank, world_size, out_dir):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import tl_dist as tl
+    from tl_dist.step_facts import window_facts
+
+    tl.arm(out_dir / "run")
+    x = torch.ones(4)
+    dist.all_reduce(x)  # warm the connection up outside the window
+    with tl.capture(step=0) as cap:
+        if rank == 1:
+            time.sleep(0.3)  # rank 0 waits for it inside a blocking all_reduce
+        dist.all_reduce(x)  # blocking: the op enqueues, dist.all_reduce then waits in Python
+    tl.disarm()
+    t = cap.trace
+    row = t.collective_table
+    return {
+        "comm_ns": window_facts(t)["comm_ns"],
+        "op_ns": t[row["op"][0]].duration_ns,
+        "issue_to_complete": row["complete_ns"][0] - row["issue_ns"][0],
+    }
+
+
+@pytest.mark.slow
+def test_a_blocking_collectives_wait_after_its_op_is_communication(tmp_path):
+    from dist_helpers import run_ranks
+
+    import tl_dist as tl
+
+    waiting, late = run_ranks(_blocking_wait, world_size=2, tmp_path=tmp_path)
+    # Rank 0 was inside dist.all_reduce for the 0.3 s rank 1 slept, though its op returned at once.
+    assert waiting["op_ns"] < 0.1e9 and waiting["issue_to_complete"] > 0.25e9
+    assert waiting["comm_ns"] >= waiting["issue_to_complete"]
+    assert late["comm_ns"] < 0.1e9
+    # The merge (shards read back) says the same.
+    tb = tl.merge_ranks(tmp_path / "run").time_breakdown().set_index("rank")
+    assert tb.loc[0, "comm_ns"] == waiting["comm_ns"] and tb.loc[1, "comm_ns"] == late["comm_ns"]

@@ -51,7 +51,7 @@ def local_facts(
     kind_is_collective: np.ndarray,
     starts: np.ndarray,
     durations: np.ndarray,
-    async_spans: tuple[np.ndarray, np.ndarray, np.ndarray],
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray],
     window: tuple[int | None, int | None] = (None, None),
     hung: np.ndarray | None = None,
 ) -> dict[str, int]:
@@ -60,8 +60,9 @@ def local_facts(
     Args:
         kind_is_collective: per op, whether it is a collective.
         starts, durations: per op, start (ns, the rank's clock) and duration.
-        async_spans: (op index, issue, completion) of the async collectives that completed (the op itself only
-            enqueues; the collective is in flight from issue to completion).
+        spans: (op index, issue, completion) of the collectives that completed. The op itself only enqueues
+            the work, async or not: a blocking ``dist.all_reduce`` waits in Python after the op returned, so a
+            collective is in flight from its issue to its observed completion.
         window: (window_start_ns, window_end_ns) of the shard; None where not recorded.
         hung: an incomplete shard's (hang, crash, signal) issue times of the collectives that never completed:
             the rank was blocked in them until the window's end.
@@ -82,7 +83,7 @@ def local_facts(
     e = s + durations[ops]
     position = np.full(n, -1, dtype=np.int64)
     position[ops] = np.arange(len(ops))
-    op, issue, complete = async_spans
+    op, issue, complete = spans
     keep = (op >= 0) & (op < n)
     p = position[op[keep]]
     ok = p >= 0
@@ -115,10 +116,9 @@ def window_facts(trace: Any) -> dict[str, int]:
     cols = trace.columns
     ct = trace.collective_table
     meta = trace.metadata
-    is_async = np.asarray(ct["is_async"], dtype=bool)
     complete = np.asarray(ct["complete_ns"], dtype=np.int64)
     issue = np.asarray(ct["issue_ns"], dtype=np.int64)
-    spans = is_async & (complete >= 0)
+    spans = complete >= 0
     hung = None if meta.get("complete", True) else issue[complete < 0]
     return local_facts(
         np.fromiter((k == "collective" for k in cols["kind"]), dtype=bool, count=len(cols["kind"])),

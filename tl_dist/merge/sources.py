@@ -341,11 +341,11 @@ def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, 
     if n:
         starts, durations = ops["start_ns"], ops["duration_ns"]
         is_coll = ids(ops, op_cat, "kind") == names.id("collective")
-        spans = ct["is_async"] & (ct["complete_ns"] >= 0)
-        async_spans = (ct["op"][spans], ct["issue_ns"][spans], ct["complete_ns"][spans])
+        done = ct["complete_ns"] >= 0
+        spans = (ct["op"][done], ct["issue_ns"][done], ct["complete_ns"][done])
         # An incomplete shard was blocked in what never completed until the window ended.
         hung = None if data.complete else ct["issue_ns"][ct["complete_ns"] < 0]
-        data.local = local_facts(is_coll, starts, durations, async_spans, window_span(metadata), hung)
+        data.local = local_facts(is_coll, starts, durations, spans, window_span(metadata), hung)
         data.first_ns = int(starts.min())
         last_i = _last_real_op(ids(ops, op_cat, "aten"), names)
         last = np.array([last_i])
