@@ -244,3 +244,39 @@ def test_stats_under_sleeping_omp_threads_are_exact_and_leave_the_thread_count(m
             _assert_stats_equal(relu.stats["out"], _direct(torch.relu(x * 3 - 1)), "relu_1")
     finally:
         torch.set_num_threads(before)
+
+
+def _collective_stats(rank, world_size, out_dir):
+    import torch.distributed as dist
+
+    with tl.capture(stats=True) as cap:
+        a = torch.full((4,), 1.0 + rank)  # 1 and 2: the sum is 3 on both ranks
+        dist.all_reduce(a)  # blocking: its buffer holds the sum once dist.all_reduce returned
+        doubled = a * 2  # the reader: the statistics are taken here, of the sum
+        a.zero_()  # a later write must not change them
+        b = torch.full((4,), float("nan") if rank == 1 else 1.0)
+        work = dist.all_reduce(b, async_op=True)  # rank 1's NaN reaches rank 0 here
+        work.wait()  # nothing reads b in the window: its statistics are taken when the window closes
+    t = cap.trace
+    ar = [op for op in t if op.func == "all_reduce"]
+    first = t.first_nonfinite()
+    return {
+        "a": ar[0].stats["out"],
+        "b": ar[1].stats["out"],
+        "first": None if first is None else first.label,
+        "doubled": doubled,
+    }
+
+
+@pytest.mark.slow
+def test_a_collectives_statistics_are_of_its_result(tmp_path):
+    from dist_helpers import run_ranks
+
+    for rank, res in enumerate(run_ranks(_collective_stats, world_size=2, tmp_path=tmp_path)):
+        assert torch.equal(res["doubled"], torch.full((4,), 6.0))
+        # the reduced values (3.0), not the rank's own contribution (taken at issue) nor the zeros written later
+        assert (res["a"]["mean"], res["a"]["min"], res["a"]["max"], res["a"]["nan"]) == (3.0, 3.0, 3.0, 0)
+        assert res["a"]["norm"] == pytest.approx(6.0)  # sqrt(4 * 9)
+        assert res["b"]["nan"] == 4
+        # On rank 0 the first NaN is the all-reduce that brought rank 1's; on rank 1 its own fill came first.
+        assert res["first"] == ("all_reduce_2" if rank == 0 else "full_2"), rank

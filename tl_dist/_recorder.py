@@ -213,6 +213,9 @@ class Recorder:
                 if writes and (writer := self._written_since(t, -1)) >= 0:
                     parents[writer] = None  # e.g. a parameter the optimizer updated earlier in the window
 
+        if self.stats_on and self.training.in_flight:  # reading a collective's buffer: its result is there
+            for p in parents:
+                self.training.arrived(p, reader=True)
         if subclass and self.comm.unlinked >= 0 and _grad_enabled():
             # The first subclass op since a forward collective: the autograd nodes between them (DTensor's
             # redistribution) have no op; their backward collectives belong to that collective's module.

@@ -434,6 +434,7 @@ class CollectiveLog:
                 row_i = self._wrapped.get(tag[1])
             if row_i is not None:
                 self._done.setdefault(row_i, t1)
+                self.recorder.training.arrived(self.rows[row_i][0], reader=False)
 
     def poll(self) -> None:
         """Check (without waiting) the works whose completion only ``is_completed()`` reports."""

@@ -32,7 +32,7 @@ import torch
 
 from ._common import FLOAT_DTYPES as _FLOATS
 from ._common import STAT_NAMES as _STAT_NAMES
-from ._common import RowView, is_dense, local_tensor, map_local
+from ._common import RowView, has_its_bytes, is_dense, local_tensor, map_local
 from .schema import OP_FIELDS, STAT_FIELDS, empty_columns, field_names
 from .trace import first_nonfinite, nonfinite_value, op_stats  # noqa: F401 (moved to trace; old path)
 
@@ -45,6 +45,7 @@ _current_node = torch._C._current_autograd_node
 _KIND = field_names(OP_FIELDS).index("kind")
 _PHASE = field_names(OP_FIELDS).index("phase")
 _FUNC = field_names(OP_FIELDS).index("func")
+_ATEN = field_names(OP_FIELDS).index("aten")
 _PARAMS = field_names(OP_FIELDS).index("params")
 _OUT_SHAPES = field_names(OP_FIELDS).index("out_shapes")
 _engine = torch.autograd.Variable._execution_engine
@@ -69,7 +70,10 @@ def _detached_copy(t: Tensor) -> Tensor:
 
 
 def _stats_by_default(row: tuple) -> bool:
-    """Whether stats=True covers this op: forward ops that compute new values."""
+    """Whether stats=True covers this op: forward ops that compute new values, and collectives in any phase
+    (DDP's and FSDP's reduced gradients: a NaN another rank contributed shows first there)."""
+    if row[_KIND] == "collective":
+        return True
     return row[_PHASE] == "forward" and row[_KIND] != "view" and row[_FUNC] not in _NO_STATS
 
 
@@ -228,6 +232,8 @@ class TrainingState:
         # (op index, "out" | "grad", op count when computed, device tensor of the 8 values)
         self._stat_rows: list[tuple[int, str, int, Tensor | list[float]]] = []
         self._output_stats: set[int] = set()  # ops whose output statistics module_out_stats took
+        # Collectives whose output statistics wait for the result: op index -> (outputs, read through c10d).
+        self.in_flight: dict[int, tuple[list[Tensor], bool]] = {}
         self.stats_table = empty_columns(STAT_FIELDS)
         self.open = True  # gradient hooks act only while a window (or log_backward) is running
         self._node_handles: list[Any] = []
@@ -252,6 +258,8 @@ class TrainingState:
 
     def finish(self) -> dict[str, list]:
         """Moves the statistics to the host (one transfer) and returns the stats table's columns."""
+        for index in list(self.in_flight):
+            self.arrived(index, reader=False)
         rows = self._stat_rows
         table = self.stats_table
         if not rows:
@@ -290,19 +298,41 @@ class TrainingState:
             # that made them; a backward op's output is a gradient, recorded as the `grad` row of the forward
             # op it differentiates; optimizer ops rewrite parameters and state. A selector can still pick any.
             return
+        if row[_KIND] == "collective":
+            # Issued, not done: the values arrive later (the op only enqueues the work; gloo and NCCL fill the
+            # buffer meanwhile), so the statistics wait until they have: see arrived().
+            self.in_flight[index] = (outs, row[_ATEN].startswith("c10d."))
+            return
+        self._first_float_stats(index, outs, index)
+
+    def _first_float_stats(self, index: int, outs: list[Tensor], at: int) -> None:
         for o in outs:
             if o.dtype in _FLOATS:
                 with torch._C._DisableTorchDispatch(), torch.no_grad():
                     values = tensor_stats(o)
                 if values is not None:
-                    self._stat_rows.append((index, "out", index, values))
+                    self._stat_rows.append((index, "out", at, values))
                 return
+
+    def arrived(self, index: int, *, reader: bool) -> None:
+        """Collective ``index``'s outputs hold its result now: the statistics it deferred are taken. Called
+        when the op ``reader`` runs with one of them as input (a c10d collective's buffer: whoever reads it
+        waited for it first), when a functional collective's ``wait_tensor`` returned (its reader waits inside
+        its own dispatch, after the recorder saw it), and for the rest when the window closes."""
+        entry = self.in_flight.get(index)
+        if entry is None or (reader and not entry[1]):
+            return
+        del self.in_flight[index]
+        outs = [o for o in entry[0] if has_its_bytes(local_tensor(o))]  # FSDP frees gathered buffers
+        self._first_float_stats(index, outs, self.rec.n_ops)
 
     def module_out_stats(self, index: int, leaf: Tensor) -> None:
         """Statistics of a module's output leaf made by op ``index`` when ``stats=True`` skipped that op (see
         :func:`_module_output_stats`), so every module output has its norm."""
         if not self.stats_all or index in self._output_stats or leaf.dtype not in _FLOATS:
             return
+        if index in self.in_flight:
+            return  # a collective's result, not there yet: arrived() takes it
         row = self.rec.rows[index]
         if not _module_output_stats(row):
             return
