@@ -110,3 +110,29 @@ def test_fsdp2_with_every_option_drops_what_fsdp_freed_and_keeps_the_rest(tmp_pa
         # The transposed view of an unsharded weight read memory FSDP freed after the layer: not kept, said so.
         assert res["view_out"] is None
         assert len(res["freed"]) == 1 and "t_1" in res["freed"][0], res["freed"]
+
+
+def _tp_late(rank, world_size, out_dir):
+    import time
+
+    model = _tp_model()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    model(x).sum().backward()  # warm up outside the window
+    with tl.capture() as cap:
+        if rank == 1:
+            time.sleep(0.2)
+        out = model(x).view(
+            -1
+        )  # a view of the AsyncCollectiveTensor RowwiseParallel returns: it does not wait
+        out.pow(2).sum().backward()
+    ct = cap.trace.collective_table
+    first = ct["func"].index("all_reduce")
+    return {"issue": ct["issue_ns"][first], "complete": ct["complete_ns"][first]}
+
+
+def test_tensor_parallel_collective_completes_after_the_late_rank_issued_it(tmp_path):
+    on_time, late = run_ranks(_tp_late, world_size=2, tmp_path=tmp_path)
+    # Rank 0 issued the forward all-reduce ~0.2 s before rank 1 did: it cannot have completed before that
+    # (one host, one clock; 5 ms for the clocks' reading order). Its view is not where it waited.
+    assert late["issue"] - on_time["issue"] > 0.15e9
+    assert on_time["complete"] >= late["issue"] - 5_000_000, (on_time, late)

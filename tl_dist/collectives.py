@@ -521,16 +521,18 @@ def _first_reader_ends(
     pending = {op: row for op, row in functional.items() if row not in done}
     if not pending:
         return {}
-    # _wrap_tensor_autograd only wraps the result: its readers read the collective.
-    wraps = {}
-    for i, (func, parents) in enumerate(zip(op_columns["func"], op_columns["parents"])):
-        if func == "_wrap_tensor_autograd" and len(parents) == 1 and parents[0] in pending:
-            wraps[i] = parents[0]
+    # _wrap_tensor_autograd only wraps the result, and a view of an AsyncCollectiveTensor does not wait for it
+    # (TP's to_local output reshaped): their readers read the collective.
+    wraps: dict[int, int] = {}
     found: dict[int, int] = {}
     starts, durations = op_columns["start_ns"], op_columns["duration_ns"]
-    for i, parents in enumerate(op_columns["parents"]):
-        if i in wraps:
-            continue
+    columns = zip(op_columns["func"], op_columns["kind"], op_columns["parents"])
+    for i, (func, kind, parents) in enumerate(columns):
+        if (func == "_wrap_tensor_autograd" or kind == "view") and len(parents) == 1:
+            src = wraps.get(parents[0], parents[0])
+            if src in pending:
+                wraps[i] = src
+                continue
         for p in parents:
             src = wraps.get(p, p)
             row = pending.get(src)
