@@ -31,7 +31,9 @@ SCALARS = (
     "recompute_ns",
     "flops",
     "peak_flops",  # the device's peak FLOP/s; 0 when unknown (CPU)
-    "nonfinite",  # 1 when the window recorded a non-finite value (statistics on), else 0
+    # 2 when the window's first non-finite value arose here, 1 when a collective brought it from another rank,
+    # 0 when none was recorded (statistics on)
+    "nonfinite",
     "modules_key",  # crc32 of the module addresses: the module rows are gathered only when all ranks agree
 )
 _AT = {name: k for k, name in enumerate(SCALARS)}
@@ -66,10 +68,16 @@ def rank_scalars(t: StepTelemetry, key: float) -> list[float]:
         "recompute_ns": t.op_ns.get("recompute", 0),
         "flops": t.total_flops,
         "peak_flops": t.peak_flops or 0.0,
-        "nonfinite": 1.0 if t.first_nonfinite is not None else 0.0,
+        "nonfinite": _nonfinite_origin(t.first_nonfinite),
         "modules_key": key,
     }
     return [float(values[name]) for name in SCALARS]
+
+
+def _nonfinite_origin(first: dict | None) -> float:
+    if first is None:
+        return 0.0
+    return 1.0 if first.get("kind") == "collective" else 2.0
 
 
 def failed_scalars() -> list[float]:
@@ -179,7 +187,7 @@ def step_metrics(
     metrics["tl/straggler_rank"] = float(late[0]) if late is not None else -1.0
     metrics["tl/straggler_wait_ms"] = late[1] / 1e6 if late is not None else 0.0
     if statistics:
-        metrics["tl/nonfinite_ranks"] = sum(column("nonfinite"))
+        metrics["tl/nonfinite_ranks"] = sum(v > 0 for v in column("nonfinite"))
     if modules is None:
         return metrics
     n = len(timed)

@@ -375,7 +375,10 @@ class TelemetryCallback(pl.Callback):
         mine = None
         if telemetry is not None and telemetry.first_nonfinite is not None:
             mine = dict(telemetry.first_nonfinite, rank=trainer.global_rank)
-        first = trainer.strategy.broadcast(mine, src=bad[0])  # every rank reports (and acts on) the same
+        # The rank where it arose, not one that received it through a collective (DDP's all-reduce spreads a NaN
+        # to every rank's gradients); every rank reports (and acts on) the same.
+        origin = [r for r in bad if rows[r][flag] == 2.0] or bad
+        first = trainer.strategy.broadcast(mine, src=origin[0])
         message = nonfinite_message(step, bad, first)
         if self.on_nonfinite == "raise":
             raise NonFiniteError(message)

@@ -131,7 +131,7 @@ class StepTelemetry:
     collectives: tuple[CollectiveRow, ...]
     norms: tuple[NormRow, ...]
     nonfinite: tuple[NonfiniteRow, ...]
-    first_nonfinite: dict[str, Any] | None  # label, index, func, module, source, phase (stats only)
+    first_nonfinite: dict[str, Any] | None  # label, index, func, kind, module, source, phase (stats only)
     idle_before_ns: int = 0  # window start -> first op (step_facts)
     idle_after_ns: int = 0  # last op end -> window end (step_facts)
     # Per completed collective (not p2p): (group ranks, seq, issue_ns, complete_ns) -- what the straggler is
@@ -245,6 +245,7 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
                 "index": index,
                 "label": cols["label"][index],
                 "func": cols["func"][index],
+                "kind": cols["kind"][index],  # "collective": the value came from another rank
                 "module": cols["module"][index] if cols["module_stack"][index] else OUTSIDE,
                 "source": cols["source"][index],
                 "phase": cols["phase"][index],
