@@ -42,6 +42,7 @@ import tl_dist as tl
 from tl_dist.options import check_options
 from tl_dist.pipeline import finish_run
 from tl_dist.sinks import check_sinks
+from tl_dist.step_facts import nonfinite_origin
 from tl_dist.store import shard_path
 
 from ._step_metrics import (
@@ -375,10 +376,9 @@ class TelemetryCallback(pl.Callback):
         mine = None
         if telemetry is not None and telemetry.first_nonfinite is not None:
             mine = dict(telemetry.first_nonfinite, rank=trainer.global_rank)
-        # The rank where it arose, not one that received it through a collective (DDP's all-reduce spreads a NaN
-        # to every rank's gradients); every rank reports (and acts on) the same.
-        origin = [r for r in bad if rows[r][flag] == 2.0] or bad
-        first = trainer.strategy.broadcast(mine, src=origin[0])
+        # Every rank reports (and acts on) the same: the rank where it arose (step_facts.nonfinite_origin).
+        kinds = {r: "collective" if rows[r][flag] == 1.0 else "op" for r in bad}
+        first = trainer.strategy.broadcast(mine, src=nonfinite_origin(kinds))
         message = nonfinite_message(step, bad, first)
         if self.on_nonfinite == "raise":
             raise NonFiniteError(message)

@@ -218,3 +218,15 @@ def test_large_run_on_disk_reads_a_sample_whole(tmp_path):
     assert {f["func"]: f["calls"] for f in run.funcs()}["addmm"] == 4 * 36
     text = Path(tl.report.write_report(tl.merge_ranks(tmp_path / "run"), tmp_path / "r.html")).read_text()
     assert "Mean over 9 (step, rank) window(s) (of 36: every step of rank(s) 0, 5, 11;" in text
+
+
+def test_first_nonfinite_is_where_it_arose_not_where_a_collective_brought_it():
+    g, traces = synthetic_run(world_size=2, steps=2, layers=4, straggler=1, nan_at=(1, 1))
+    t0 = traces[(1, 0)]
+    reduce_op = t0.collective_table["op"][0]
+    # Rank 0's all-reduce received rank 1's NaN gradient (stats record a collective's result): a NaN on the
+    # lower rank, but one another rank made.
+    for name, value in zip(t0.stats_table, (reduce_op, "out", reduce_op, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 4, 0)):
+        t0.stats_table[name].append(value)
+    first = Run.of(g).statistics()["first_nonfinite"]
+    assert (first["step"], first["rank"], first["label"], first["of"]) == (1, 1, "relu_1", "grad")

@@ -180,3 +180,11 @@ def test_a_blocking_collectives_wait_after_its_op_is_communication(tmp_path):
     # The merge (shards read back) says the same.
     tb = tl.merge_ranks(tmp_path / "run").time_breakdown().set_index("rank")
     assert tb.loc[0, "comm_ns"] == waiting["comm_ns"] and tb.loc[1, "comm_ns"] == late["comm_ns"]
+
+
+def test_the_nonfinite_origin_is_the_lowest_rank_where_it_arose():
+    from tl_dist.step_facts import nonfinite_origin
+
+    assert nonfinite_origin({0: "collective", 3: "compute", 2: "collective", 5: "compute"}) == 3
+    assert nonfinite_origin({4: "collective", 1: "collective"}) == 1  # all received: the lowest
+    assert nonfinite_origin({}) is None

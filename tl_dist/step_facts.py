@@ -130,6 +130,21 @@ def window_facts(trace: Any) -> dict[str, int]:
     )
 
 
+def nonfinite_origin(first_kinds: Mapping[int, str]) -> int | None:
+    """The rank a step's first non-finite value is reported on, from each rank's first non-finite op kind
+    (ranks without one left out): the lowest rank where it arose in an op of its own, not in a collective (which
+    brings another rank's values: DDP's all-reduce spreads one rank's NaN to every rank's gradients); else the
+    lowest rank. None when no rank has one.
+
+    Example:
+        >>> nonfinite_origin({0: "collective", 1: "compute"})
+        1
+    """
+    ranks = sorted(first_kinds)
+    own = [r for r in ranks if first_kinds[r] != "collective"]
+    return (own or ranks or [None])[0]
+
+
 def straggler(rows: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
     """The straggler of one step: ``(rank, caused_wait_ns)`` of the rank the others waited for longest (ties:
     the lowest rank), from that step's ``MergedTrace.stragglers()`` rows; None when nobody waited beyond the

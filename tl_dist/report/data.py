@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..merge.timing import member_waits, step_timing, trace_breakdown
 from ..schema import OUTSIDE, PHASES, module_name
+from ..step_facts import nonfinite_origin
 from ..telemetry import collective_rows, region_shares, split_region
 from ..views.graph import home_calls
 
@@ -558,9 +559,13 @@ class Run:
 
     def statistics(self) -> dict[str, Any]:
         """Norms of each module's output and of the gradient w.r.t. it, per step (mean over ranks), from the
-        ``stats=`` tables; and the first non-finite value (by step, then rank, then time in the window)."""
+        ``stats=`` tables; and the first non-finite value: its first step, the rank where it arose
+        (:func:`~tl_dist.step_facts.nonfinite_origin`), the first in that rank's window."""
         series: dict[tuple[str, str], dict[int, list[float]]] = {}
         first = None
+        firsts: dict[
+            tuple[int, int], dict
+        ] = {}  # (step, rank) -> its first non-finite value, first step only
         recorded = False
         for key, t in sorted(self.full.items()):
             st = t.stats_table
@@ -577,22 +582,26 @@ class Run:
                 module = wanted.get(op, ...)
                 if module is not ...:
                     series.setdefault((_named(module), of), {}).setdefault(key[0], []).append(norm)
-            if first is None:
+            if not firsts or key[0] == next(iter(firsts))[0]:  # the first step with one: every rank's
                 bad = [k for k in range(len(st["op"])) if st["nan"][k] or st["inf"][k]]
                 if bad:
                     k = min(bad, key=lambda k: st["at"][k])
                     op = st["op"][k]
                     cols = t.columns
-                    first = {
+                    firsts[key] = {
                         "step": key[0],
                         "rank": key[1],
                         "label": cols["label"][op],
+                        "kind": cols["kind"][op],
                         "of": st["of"][k],
                         "nan": st["nan"][k],
                         "inf": st["inf"][k],
                         "module": _named(homes[op]),
                         "source": cols["source"][op],
                     }
+        if firsts:
+            step = next(iter(firsts))[0]
+            first = firsts[(step, nonfinite_origin({r: f["kind"] for (_, r), f in firsts.items()}))]
         lines = {
             f"{name} {of}": {s: sum(v) / len(v) for s, v in sorted(by_step.items())}
             for (name, of), by_step in series.items()
