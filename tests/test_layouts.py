@@ -45,7 +45,9 @@ def test_sparse_ops_trace_exactly_and_keep_each_ops_own_value(tmp_path):
     assert torch.equal(trace["mul__1"].out.to_dense(), adj.to_dense() * 6)
     assert torch.equal(trace["add__1"].out, adj._values() * 6 + 1)
     # a shard holds dense tensors only: the sparse ones are named and load as None, the rest load
-    with pytest.warns(RuntimeWarning, match=r"2 saved tensor\(s\) not written, sparse or nested.*mul_1"):
+    with pytest.warns(
+        RuntimeWarning, match=r"2 saved tensor\(s\) not written, sparse, nested or meta.*mul_1"
+    ):
         trace.save(tmp_path / "gcn.h5")
     loaded = tl.load(tmp_path / "gcn.h5")
     assert loaded[first_mul.index].out is None
@@ -81,7 +83,7 @@ def test_nested_fast_path_of_transformer_encoder_traces_exactly(tmp_path):
     assert [op.out_shapes for op in fused] == [((2, -1, 16),)] * 2  # -1: the ragged sequence dimension
     assert fused[0].in_shapes[:3] == ((2, -1, 16), (48, 16), (48,))
     assert fused[0].module == "layers.0" and fused[1].module == "layers.1"
-    with pytest.warns(RuntimeWarning, match=r"saved tensor\(s\) not written, sparse or nested"):
+    with pytest.warns(RuntimeWarning, match=r"saved tensor\(s\) not written, sparse, nested or meta"):
         trace.save(tmp_path / "nested.h5")
     loaded = tl.load(tmp_path / "nested.h5")
     assert loaded[fused[0].index].out is None
@@ -119,7 +121,7 @@ def test_jagged_nested_tensors_record_plain_int_shapes_and_save(tmp_path):
     shapes = {op.func: op.out_shapes for op in trace if op.func in ("linear", "relu")}
     assert shapes == {"linear": ((2, -1, 3),), "relu": ((2, -1, 3),)}  # ints only: the ragged one is -1
     assert all(type(s) is int for op in trace for shape in op.out_shapes + op.in_shapes for s in shape)
-    with pytest.warns(RuntimeWarning, match="sparse or nested"):
+    with pytest.warns(RuntimeWarning, match="sparse, nested or meta"):
         trace.save(tmp_path / "jagged.h5")
     assert (
         tl.load(tmp_path / "jagged.h5").to_pandas()["out_shapes"].tolist()

@@ -435,3 +435,46 @@ def test_a_shard_whose_output_type_this_process_lacks_loads_with_its_values(tmp_
     assert (
         "module outputs of type writer_only.Out (registered" in lines[0] and "warnings.warn" not in lines[0]
     )
+
+
+def test_the_traces_output_is_stored_once_as_its_ops_saved_output(tmp_path):
+    import h5py
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU()), torch.randn(50, 8)
+    want = model(x)
+    for save in (True, None):
+        path = tl.trace(model, x, save=save).save(tmp_path / f"out_{save}.h5")
+        with h5py.File(path) as f:
+            assert "tree_tensors" not in f  # the output is relu_1's: no copy of its own (metadata only: none)
+            assert ("relu_1" in f["saved"]) is (save is True)
+        loaded = tl.load(path)
+        assert not loaded.saved._cache  # nothing read yet: the output's reference resolves on use
+        if save:
+            assert torch.equal(loaded.output, want)
+        else:
+            assert loaded.output is None  # not saved, so not in the shard
+    # A leaf no op produced (the input passed through) is still stored with the output.
+    passthrough = tl.trace(lambda_module := _PassThrough(), x).save(tmp_path / "pass.h5")
+    out = tl.load(passthrough).output
+    assert torch.equal(out[0], x) and torch.equal(out[1], lambda_module(x)[1])
+
+
+class _PassThrough(torch.nn.Module):
+    def forward(self, x):
+        return x, x.sum()
+
+
+def test_a_meta_models_trace_saves_its_shapes(tmp_path):
+    model = torch.nn.Linear(4, 2, device="meta")
+    x = torch.empty(3, 4, device="meta")
+    for save in (True, None):
+        trace = tl.trace(model, x, save=save)
+        if save:
+            with pytest.warns(RuntimeWarning, match=r"meta_True\.h5: 2 saved tensor\(s\) not written.*meta"):
+                path = trace.save(tmp_path / f"meta_{save}.h5")
+        else:
+            path = trace.save(tmp_path / f"meta_{save}.h5")
+        loaded = tl.load(path)
+        assert [op.out_shapes for op in loaded] == [((4, 2),), ((3, 2),)]
+        assert loaded["addmm_1"].out is None and loaded.output is None

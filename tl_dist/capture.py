@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from . import _session
-from ._common import has_its_bytes, local_tensor, map_local, storage_key
+from ._common import TAG, has_its_bytes, local_tensor, map_local, storage_key
 from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .compiled import RegionHook, watch_compiles
@@ -502,5 +503,21 @@ def trace(
     cap._keep_node_hooks = True
     with cap:
         output = model(*args, **(kwargs or {}))
+        refs = _output_refs(cap._recorder, output)  # before the window closes and the tags go
     cap.trace.output = output
+    cap.trace.output_refs = refs
     return cap.trace
+
+
+def _output_refs(recorder: Recorder | None, output: Any) -> dict[int, tuple[int, int]]:
+    """Output leaf -> (op, output position) of the op that produced it: a shard stores those leaves as
+    references to the op's saved output, not as copies of their own."""
+    if recorder is None:
+        return {}
+    token = recorder.token
+    refs = {}
+    for i, leaf in enumerate(tree_flatten(output)[0]):
+        tag = getattr(leaf, TAG, None) if isinstance(leaf, torch.Tensor) else None
+        if tag is not None and tag[0] == token:
+            refs[i] = (tag[1], tag[2])
+    return refs

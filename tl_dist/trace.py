@@ -217,6 +217,12 @@ def _recorded_grads(trace: Trace) -> dict[int, list]:
     return trace.grads
 
 
+def _saved_leaf(saved: Any, ref: dict) -> torch.Tensor | None:
+    """The output leaf op ``ref["op"]`` produced: its saved output, None when it was not saved."""
+    outs = saved.get(ref["op"]) if ref["op"] in saved else None
+    return None if outs is None else outs[ref["pos"]]
+
+
 class Trace:
     """The ops of one capture, in execution order. Built by ``tl.trace``, ``tl.capture`` or ``tl.load``."""
 
@@ -250,7 +256,12 @@ class Trace:
         self._replay = replay_records or {}
         self.output_of = output_of or {}
         self.out_trees = out_trees or {}
-        self.output = output
+        self._output = output
+        self._output_leaves: tuple[Any, list] | None = (
+            None  # a loaded shard's (spec, leaves), resolved on use
+        )
+        # Output leaf -> (op, output position) that produced it (tl.trace): a shard refers to the saved output.
+        self.output_refs: dict[int, tuple[int, int]] = {}
         self.metadata = metadata or {}
         self.failed_op = failed_op
         self.grads = grads if grads is not None else {}  # op -> gradient per output (tl_dist.training)
@@ -283,6 +294,22 @@ class Trace:
             stats_table=self.stats_table,
             interventions=self.interventions,
         )
+
+    @property
+    def output(self) -> Any:
+        """What the traced model returned (``tl.trace``; None for a ``tl.capture`` window). Loaded from a
+        shard, a leaf an op produced is that op's saved output (None when it was not saved)."""
+        if self._output_leaves is not None:
+            spec, leaves = self._output_leaves
+            self._output_leaves = None
+            self._output = spec.unflatten(
+                [_saved_leaf(self.saved, v) if isinstance(v, dict) else v for v in leaves]
+            )
+        return self._output
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._output, self._output_leaves = value, None
 
     # -- container protocol --------------------------------------------------------------------------------
     def __len__(self) -> int:

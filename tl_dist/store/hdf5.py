@@ -126,7 +126,8 @@ def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, A
     unregistered: set[str] = set()
     for row, spec_json, leaves_json in zip(table["row"], table["spec"], table["leaves"]):
         leaves = [
-            _array_tensor(extra[v["tensor"]]) if isinstance(v, dict) else v for v in json.loads(leaves_json)
+            _array_tensor(extra[v["tensor"]]) if isinstance(v, dict) and "tensor" in v else v
+            for v in json.loads(leaves_json)
         ]
         try:
             spec = treespec_loads(spec_json)
@@ -138,7 +139,7 @@ def _read_trees(root: h5py.File, strings: list[str] | None) -> tuple[dict[int, A
             unregistered.add(named.group(1) if named else str(exc))
             spec = tree_flatten(tuple(range(len(leaves))))[1]
         if row < 0:
-            output = spec.unflatten(leaves)
+            output = (spec, leaves)  # unflattened by load(): a leaf may refer to an op's saved output
         else:
             trees[row] = (spec, leaves)
     if unregistered:
@@ -268,7 +269,6 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
         saved=saved,
         output_of=dict(zip(out_of["op"], out_of["modules"])),
         out_trees=out_trees,
-        output=output,
         metadata=metadata,
         failed_op=failed_op,
     )
@@ -277,6 +277,7 @@ def load(path: str | os.PathLike, *, tensors: bool = True) -> Trace:
     if tensors:
         trace.saved = saved
         trace.grads = grads
+    trace._output_leaves = output  # Trace.output resolves it on first use (op outputs are read lazily)
     if stats_table is not None:
         trace.stats_table = stats_table
     if compiled is not None:

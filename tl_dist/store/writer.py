@@ -57,6 +57,12 @@ _NUMPY_NATIVE = frozenset(
 _RAW_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def writable(t: torch.Tensor) -> bool:
+    """Whether a shard can hold ``t``'s values: one dense block of them (not sparse or nested), not on the meta
+    device (no values)."""
+    return is_dense(t) and not t.is_meta
+
+
 def _tensor_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
     t = local_tensor(t).detach()  # a rank's shard holds a DTensor's local part
     if t.device.type != "cpu":
@@ -83,17 +89,17 @@ def _write_tensor(group: h5py.Group, name: str, t: torch.Tensor, options: ShardO
 
 def _write_tensors(
     root: h5py.File, name: str, tensors: Mapping[int, list], labels: list[str], options: ShardOptions
-) -> None:
+) -> list[str]:
     """``tensors`` maps op index -> list of outputs (None where not kept). A one-output op is one dataset named
-    by the op's label; a multi-output op a group of datasets named by output position. Sparse and nested
-    tensors are left out (they load as None), with one warning naming their ops."""
+    by the op's label; a multi-output op a group of datasets named by output position. Returns the tensors
+    left out (not :func:`writable`: they load as None), which the caller names in one warning."""
     group = root.create_group(name)
     _tag(group, "tensors")
     left_out: list[str] = []
     for index, outs in tensors.items():
         label = labels[index]
         if len(outs) == 1 and outs[0] is not None:
-            if is_dense(outs[0]):
+            if writable(outs[0]):
                 _write_tensor(group, label, outs[0], options)  # the op is found by its (unique) label
             else:
                 left_out.append(label)
@@ -103,14 +109,18 @@ def _write_tensors(
         for pos, t in enumerate(outs):
             if t is None:
                 continue
-            if is_dense(t):
+            if writable(t):
                 _write_tensor(sub, str(pos), t, options)
             else:
                 left_out.append(f"{label}[{pos}]")
+    return left_out
+
+
+def _warn_left_out(path: Path, name: str, left_out: list[str]) -> None:
     if left_out:
         warnings.warn(
-            f"{root.filename}: {len(left_out)} {name} tensor(s) not written, sparse or nested (a shard holds "
-            f"dense tensors only): {', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}; they load as None",
+            f"{path}: {len(left_out)} {name} tensor(s) not written, sparse, nested or meta (a shard holds dense "
+            f"values only): {', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}; they load as None",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -126,6 +136,8 @@ def _tree_rows(trace: Trace, root: h5py.File, options: ShardOptions) -> dict[str
     trees = list(trace.out_trees.items())
     if trace.output is not None:
         leaves, spec = tree_flatten(trace.output)
+        for i, (op, pos) in trace.output_refs.items():  # an op's output: found through /saved, not copied
+            leaves[i] = {"op": op, "pos": pos}
         trees.append((-1, (spec, leaves)))
     for row, (spec, leaves) in trees:
         if spec.is_leaf() and len(leaves) == 1 and leaves[0] is None:
@@ -140,9 +152,9 @@ def _tree_rows(trace: Trace, root: h5py.File, options: ShardOptions) -> dict[str
             continue
         encoded = []
         for i, leaf in enumerate(leaves):
-            if leaf is None or isinstance(leaf, (bool, int, float, str)):
+            if leaf is None or isinstance(leaf, (bool, int, float, str, dict)):
                 encoded.append(leaf)
-            elif isinstance(leaf, torch.Tensor) and is_dense(leaf):
+            elif isinstance(leaf, torch.Tensor) and writable(leaf):
                 if extra is None:
                     extra = root.create_group("tree_tensors")
                     _tag(extra, "tensors")
@@ -232,9 +244,9 @@ def write_shard(
                 root, "trees", _TREE_FIELDS, _tree_rows(trace, root, options), options, strings=shared
             )
             labels = trace.columns["label"]
-            _write_tensors(root, "saved", trace.saved, labels, options)
+            left_out = {"saved": _write_tensors(root, "saved", trace.saved, labels, options)}
             if trace.grads:
-                _write_tensors(root, "grads", trace.grads, labels, options)
+                left_out["grads"] = _write_tensors(root, "grads", trace.grads, labels, options)
             write_table(root, "stats", STAT_FIELDS, trace.stats_table, options, strings=shared)
             if trace.compiled_table["region"]:
                 write_table(
@@ -245,4 +257,6 @@ def write_shard(
                 root.create_dataset(
                     "stack", data=np.array([str(s) for s in stack], dtype=object), dtype=STR_DTYPE
                 )
+    for name, labels_out in left_out.items():
+        _warn_left_out(path, name, labels_out)
     return path
