@@ -77,7 +77,8 @@ class TelemetryCallback(pl.Callback):
     """Capture every ``every_n_steps``-th optimizer step on every rank; log its telemetry; merge the ranks at the end.
 
     Args:
-        every_n_steps: capture the optimizer steps whose ``trainer.global_step`` is a multiple of this.
+        every_n_steps: capture the optimizer steps whose ``trainer.global_step`` is a multiple of this (the
+            window of the batch, or batches, that run such a step; named by its first step).
         out_dir: shard folder; default ``<trainer.log_dir>/tl_dist`` (resuming from a checkpoint: the folder of
             the checkpointed run). Shards: ``rank{R:05d}/step{global_step:08d}.h5``.
         options: what a window records (:class:`tl_dist.CaptureOptions`); with ``stats`` on, module output and
@@ -204,6 +205,10 @@ class TelemetryCallback(pl.Callback):
         self._session: Any = None  # this fit's own armed session (tl.armed_session), while armed
         self._at_boundary = True  # the next batch is the first micro-batch of an optimizer step
         self._batch_start_step = -1
+        self._boundary_step = -1  # global_step when the running window (or optimizer step's batches) began
+        # Optimizer steps one window holds, as last seen: several for manual optimization with several
+        # optimizers (a GAN's two steps per batch), so a window that will contain a due step is opened.
+        self._steps_per_window = 1
         self._next_due = 0
         self._peak: float | None = None
         self._timed: tuple[str, ...] = ()
@@ -254,7 +259,10 @@ class TelemetryCallback(pl.Callback):
     ) -> None:
         step = trainer.global_step
         self._batch_start_step = step
-        if self._session is not None and self._cap is None and self._at_boundary and step >= self._next_due:
+        if self._at_boundary:
+            self._boundary_step = step
+        due = step + self._steps_per_window - 1 >= self._next_due  # the steps it will hold reach a multiple
+        if self._session is not None and self._cap is None and self._at_boundary and due:
             cap = self._session.capture(step=step, root=pl_module)
             cap.__enter__()
             self._cap, self._window_step = cap, step
@@ -267,6 +275,8 @@ class TelemetryCallback(pl.Callback):
         # accumulating micro-batches leave it unchanged).
         stepped = trainer.global_step != self._batch_start_step
         self._at_boundary = stepped
+        if stepped:
+            self._steps_per_window = trainer.global_step - self._boundary_step
         if self._cap is not None and stepped:
             self._close_window(trainer)
 
@@ -333,7 +343,8 @@ class TelemetryCallback(pl.Callback):
         cap.__exit__(None, None, None)  # hands the trace to the shard writer (background)
         step = self._window_step
         self.captured_steps.append(step)
-        self._next_due = (step // self.every_n_steps + 1) * self.every_n_steps
+        last = max(trainer.global_step - 1, step)  # the window's last optimizer step
+        self._next_due = (last // self.every_n_steps + 1) * self.every_n_steps
         statistics = self.options.stats is not None
         logging = self.log and bool(trainer.loggers)
         if not (logging or statistics):

@@ -66,6 +66,26 @@ class ManualRegressor(Regressor):
             opt.zero_grad()
 
 
+class TwoOptimizerRegressor(Regressor):
+    """Manual optimization with two optimizers stepped in every batch (as a GAN's generator and
+    discriminator): global_step advances by 2 per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        for opt in self.optimizers():
+            opt.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(self.net(x), y))
+            opt.step()
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        head, body = list(self.net[4].parameters()), list(self.net[:4].parameters())
+        return torch.optim.SGD(head, lr=0.1), torch.optim.SGD(body, lr=0.1)
+
+
 class ShardedRegressor(Regressor):
     """FSDP2 under Lightning's ModelParallelStrategy: each Linear and the whole module fully sharded."""
 

@@ -28,6 +28,7 @@ from lightning_models import (
     N_PARAMS,
     ManualRegressor,
     Regressor,
+    TwoOptimizerRegressor,
     loader,
     params,
     trainer_kwargs,
@@ -312,6 +313,17 @@ def test_manual_optimization_one_window_per_optimizer_step(tmp_path):
         assert any(first_end <= i < second_start for i in backward) and max(backward) > second_start
         updates = optimizer_updates(trace)
         assert len(updates) == N_PARAMS and min(updates) > max(backward)
+
+
+def test_two_optimizer_steps_per_batch_capture_the_batches_holding_a_multiple(tmp_path):
+    cb = TelemetryCallback(3, out_dir=tmp_path / "tl")
+    fit(tmp_path, TwoOptimizerRegressor(), [cb], max_steps=10)
+    # Batches start at global steps 0, 2, 4, 6, 8 and each runs two optimizer steps: the multiples of 3 (0, 3,
+    # 6, 9) run in the batches starting at 0, 2, 6 and 8 (windows are named by their first step).
+    assert cb.captured_steps == [0, 2, 6, 8]
+    assert shard_steps(tmp_path / "tl") == {"rank00000": [0, 2, 6, 8]}
+    trace = tl.load(tmp_path / "tl" / "rank00000" / "step00000002.h5")
+    assert len(optimizer_updates(trace)) == N_PARAMS  # both optimizers' updates: steps 2 and 3
 
 
 def test_resume_continues_in_the_run_folder_without_overwriting(tmp_path):
