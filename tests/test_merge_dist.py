@@ -153,7 +153,12 @@ def test_skipped_collective_run(tmp_path):
     # Rank 1's later all_reduces pair with rank 0's earlier ones (gloo only counts), so rank 1 finishes and
     # rank 0 times out in its last one: the skip is the cause, that hang its consequence.
     assert errors == ["timeout", ""] and g.incomplete == {(1, 0)}
-    assert findings == [("missing", 2, (1,), True), ("not_completed", 3, (0,), False)], g.summary()
+    # The next all_reduce paired rank 0's third call with rank 1's second: shifted, a consequence as well.
+    assert findings == [
+        ("missing", 2, (1,), True),
+        ("shifted", 2, (1,), False),
+        ("not_completed", 3, (0,), False),
+    ], g.summary()
     missing = found[0].where
     assert missing[0]["source"].endswith(f":{_line('rank 1 skips this one')}")
     assert missing[1]["absent"]

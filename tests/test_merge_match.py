@@ -166,10 +166,41 @@ def test_skipped_collective_is_missing_at_the_skipped_op(tmp_path):
     # Rank 1 skips B: its C gets sequence number 2, yet the finding is about B, not a size clash at seq 2.
     s0 = [coll(source=A), coll(source=B, numel=16), coll(source=C)]
     s1 = [coll(source=A), coll(source=C)]
-    f = _only(_merge(tmp_path, [s0, s1]))
-    assert (f.kind, f.seq, f.ranks) == ("missing", 2, (1,))
+    g = _merge(tmp_path, [s0, s1])
+    f, shifted = g.findings
+    assert (f.kind, f.seq, f.ranks, f.primary) == ("missing", 2, (1,), True)
     assert f.where[0]["source"] == B and f.where[1]["absent"] is True
     assert f.where[1]["last_source"] == C
+    # C then paired rank 0's call number 3 with rank 1's number 2: the skip's consequence, and no timing.
+    assert (shifted.kind, shifted.ranks, shifted.primary) == ("shifted", (1,), False)
+    assert "(3 on rank 0, 2 on rank 1)" in shifted.message and shifted.where[1]["source"] == C
+    assert list(g.collectives["verdict"]) == ["matched", "missing", "shifted"]
+
+
+def test_a_skip_shifts_the_groups_later_steps_which_are_its_consequences(tmp_path):
+    steps = [
+        ([coll(source=A), coll(source=B)], [coll(source=A)]),  # step 0: rank 1 skips B
+        (
+            [coll(source=A), coll(source=B)],
+            [coll(source=A), coll(source=B)],
+        ),  # step 1: numbers shifted by one
+    ]
+    traces = [
+        make_trace(r, script, step=k) for k, scripts in enumerate(steps) for r, script in enumerate(scripts)
+    ]
+    # make_trace numbers each step from 1: continue rank 0's count (3, 4) and rank 1's (2, 3) across steps
+    for t in traces[2:]:
+        t.collective_table["seq"] = [
+            s + (2 if t.metadata["rank"] == 0 else 1) for s in t.collective_table["seq"]
+        ]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path)
+    assert [(f.kind, f.step, f.primary) for f in g.findings] == [("missing", 0, True), ("shifted", 1, False)]
+    assert g.stragglers()[lambda d: d.step == 1].empty  # mispaired calls' arrival times compare nothing
+    # Without the cause in view (the skip happened before the first captured step), the shift is primary.
+    write_run(tmp_path / "later", traces[2:])
+    (only,) = merge_ranks(tmp_path / "later").findings
+    assert (only.kind, only.step, only.primary) == ("shifted", 1, True)
 
 
 def test_swapped_order_is_one_order_finding(tmp_path):
@@ -204,6 +235,7 @@ def test_member_with_incomplete_shard_that_never_reached_it_is_not_completed(tmp
     assert [(f.kind, f.seq, f.ranks) for f in g.findings] == [
         ("incomplete_shard", -1, (1,)),
         ("missing", 2, (1,)),
+        ("shifted", 2, (1,)),  # C then paired rank 0's third call with rank 1's second
     ]
 
 
@@ -445,7 +477,14 @@ def test_added_and_skipped_collectives_are_aligned_at_the_right_place(tmp_path):
     s1 = [coll(source=A, group=g3)] + [coll(source=B, group=g3)] * 3 + [coll(source=C, group=g3)]
     s2 = [coll(source=A, group=g3), coll(source=B, group=g3), coll(source=C, group=g3)]
     g = _merge(tmp_path / "a", [s0, s1, s2])
-    assert _kinds(g) == [("missing", 2, (0,)), ("missing", 3, (0, 2)), ("missing", 4, (0, 2))]
+    # C then pairs calls of different numbers (gloo and NCCL pair by count): the extras' consequence.
+    assert _kinds(g) == [
+        ("missing", 2, (0,)),
+        ("shifted", 2, (0, 2)),
+        ("missing", 3, (0, 2)),
+        ("missing", 4, (0, 2)),
+    ]
+    assert [f.primary for f in g.findings] == [True, False, True, True]
     assert list(g.collectives.ranks) == [g3, (1, 2), (1,), (1,), g3]
     assert list(g.collectives.seq) == [1, 2, 3, 4, 2]
     # Rank 1 issues Y, Z where rank 0 issued X: Y pairs with X by position (same kind and sizes: matched), and
@@ -453,16 +492,16 @@ def test_added_and_skipped_collectives_are_aligned_at_the_right_place(tmp_path):
     s0 = [coll(source=A), coll(source=X), coll(source=D)]
     s1 = [coll(source=A), coll(source=Y), coll(source=Z), coll(source=D)]
     g = _merge(tmp_path / "b", [s0, s1])
-    assert _kinds(g) == [("missing", 3, (0,))]
+    assert _kinds(g) == [("missing", 3, (0,)), ("shifted", 3, (0,))]
     assert list(g.collectives.ranks) == [(0, 1), (0, 1), (1,), (0, 1)]
     assert list(g.collectives.seq) == [1, 2, 3, 3]
     # Rank 1 skips B; the two collectives after it (C, then a broadcast at D) still pair with rank 0's.
     s0 = [coll(source=A), coll(source=B), coll(source=C), coll("broadcast", source=D)]
     s1 = [coll(source=A), coll(source=C), coll("broadcast", source=D)]
     g = _merge(tmp_path / "c", [s0, s1])
-    assert _kinds(g) == [("missing", 2, (1,))]
+    assert _kinds(g) == [("missing", 2, (1,)), ("shifted", 2, (1,))]
     assert g.findings[0].message.endswith("(train.py:11): not issued by rank(s) [1]")
-    assert list(g.collectives.verdict) == ["matched", "missing", "matched", "matched"]
+    assert list(g.collectives.verdict) == ["matched", "missing", "shifted", "shifted"]
     assert list(g.collectives.func) == ["all_reduce", "all_reduce", "all_reduce", "broadcast"]
 
 
@@ -472,7 +511,7 @@ def test_aligner_does_not_junk_a_collective_repeated_hundreds_of_times(tmp_path)
     s0 = [coll(source=A)] * 100 + [coll(source=B)] + [coll(source=A)] * 100
     s1 = [coll(source=A)] * 200
     g = _merge(tmp_path, [s0, s1])
-    assert _kinds(g) == [("missing", 101, (1,))]
+    assert _kinds(g) == [("missing", 101, (1,)), ("shifted", 101, (1,))]
     assert g.findings[0].where[0]["source"] == B
 
 
@@ -492,16 +531,21 @@ def test_swaps_fold_within_three_collectives_only(tmp_path):
     s0 = [coll(source=X), coll(source=A), coll(source=B), coll(source=C)]
     s1 = [coll(source=A), coll(source=B), coll(source=C), coll(source=X)]
     g = _merge(tmp_path / "b", [s0, s1])
-    assert _kinds(g) == [("missing", 1, (1,)), ("missing", 4, (0,))]
-    assert [f.primary for f in g.findings] == [True, True]  # only a later hang is secondary
+    # A, B and C in between paired calls one number apart: the first X's consequence
+    assert _kinds(g) == [("missing", 1, (1,)), ("shifted", 1, (1,)), ("missing", 4, (0,))]
+    assert [f.primary for f in g.findings] == [True, False, True]
     # Rank 1 skips the first of two X: not an order problem with the X both issued later.
     s0 = [coll(source=X), coll(source=A), coll(source=X)]
     s1 = [coll(source=A), coll(source=X)]
-    assert _kinds(_merge(tmp_path / "c", [s0, s1])) == [("missing", 1, (1,))]
+    assert _kinds(_merge(tmp_path / "c", [s0, s1])) == [("missing", 1, (1,)), ("shifted", 1, (1,))]
     # Rank 1 skips X and later issues Y, which rank 0 never does: two different collectives, not a swap.
     s0 = [coll(source=A), coll(source=X), coll(source=B)]
     s1 = [coll(source=A), coll(source=B), coll(source=Y)]
-    assert _kinds(_merge(tmp_path / "d", [s0, s1])) == [("missing", 2, (1,)), ("missing", 3, (0,))]
+    assert _kinds(_merge(tmp_path / "d", [s0, s1])) == [
+        ("missing", 2, (1,)),
+        ("shifted", 2, (1,)),
+        ("missing", 3, (0,)),
+    ]
 
 
 def test_disagreements_blame_the_minority_and_say_what_each_rank_did(tmp_path):

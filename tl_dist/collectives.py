@@ -525,6 +525,7 @@ def _first_reader_ends(
     # (TP's to_local output reshaped): their readers read the collective.
     wraps: dict[int, int] = {}
     found: dict[int, int] = {}
+    viewed: dict[int, int] = {}  # the end of the first view, for a result only views of which were read
     starts, durations = op_columns["start_ns"], op_columns["duration_ns"]
     columns = zip(op_columns["func"], op_columns["kind"], op_columns["parents"])
     for i, (func, kind, parents) in enumerate(columns):
@@ -532,6 +533,8 @@ def _first_reader_ends(
             src = wraps.get(parents[0], parents[0])
             if src in pending:
                 wraps[i] = src
+                if kind == "view":
+                    viewed.setdefault(pending[src], starts[i] + durations[i] - offset)
                 continue
         for p in parents:
             src = wraps.get(p, p)
@@ -539,7 +542,9 @@ def _first_reader_ends(
             if row is not None and row not in found:
                 # start_ns is already on the epoch clock; _done holds perf-counter ns.
                 found[row] = starts[i] + durations[i] - offset
-    return found
+    # NB: a result only views of which were read (their readers ran inside a subclass's dispatch, unrecorded)
+    # gets the end of its first view: the only recorded sign of its use, not a proven completion.
+    return {**viewed, **found}
 
 
 # Frames between the dispatcher and this module: ours, and torch's wrappers around __torch_dispatch__.

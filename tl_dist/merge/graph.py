@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import SelectionError
 from .clocks import ClockSolution
-from .match import Finding, Joined
+from .match import Finding, Joined, mark_consequences
 from .sources import GivenPaths, Interner, RankData
 from .steps import join_step
 from .timing import BREAKDOWN_COLUMNS, step_timing
@@ -68,6 +68,7 @@ class MergedTrace:
         self.world_size = world_size
         self.steps = [r.step for r in results]
         self.findings: list[Finding] = [f for r in results for f in r.findings]
+        mark_consequences(self.findings)
         self.clock_solutions: dict[int, ClockSolution] = {r.step: r.clocks for r in results}
         self._collective_rows = [row for r in results for row in r.collective_rows]
         self._straggler_rows = [row for r in results for row in r.straggler_rows]

@@ -107,6 +107,7 @@ class Joined:
     absent: tuple[int, ...]  # members without a (readable) shard
     p2p: bool = False
     order: bool = False
+    swapped: bool = False  # inside an `order` swap: the members' numbers differ by the reordering
     verdict: str = "matched"
     detail: str = ""
     blame: tuple[int, ...] = ()  # the ranks breaking a size rule, when the rule tells (else a vote decides)
@@ -144,7 +145,8 @@ class Finding:
         message: one readable sentence.
         where: per rank, the op's label / func / module / source / seq / state; ranks that never issued it get
             ``absent: True`` and their last recorded op, so the user sees where each rank was.
-        primary: False for a hang explained by an earlier finding in the same group.
+        primary: False for a consequence of an earlier finding in the same group: a hang, or a ``shifted``
+            (in the same step, or after a finding of an earlier step: :func:`mark_consequences`).
     """
 
     kind: str
@@ -196,20 +198,26 @@ def _align(lists: dict[int, list[Entry]], ranks: list[int]) -> list[dict[int, En
     return ordered
 
 
-def _merge_swaps(slots: list[dict[int, Entry]], present: set[int]) -> list[tuple[dict[int, Entry], bool]]:
-    """Fold a collective one set of ranks issued early and the rest late into one slot marked ``order``."""
-    out: list[tuple[dict[int, Entry], bool]] = [(s, False) for s in slots]
+def _merge_swaps(
+    slots: list[dict[int, Entry]], present: set[int]
+) -> list[tuple[dict[int, Entry], bool, bool]]:
+    """Fold a collective one set of ranks issued early and the rest late into one slot marked ``order``. Each
+    slot comes with (its entries, ``order``, whether it lies inside such a swap: its members' numbers differ
+    because of the reordering, not because of a shift)."""
+    out: list[tuple[dict[int, Entry], bool, bool]] = [(s, False, False) for s in slots]
     i = 0
     while i < len(out):
-        a, _ = out[i]
+        a = out[i][0]
         if set(a) != present:
             keys = {e.key for e in a.values()}
             for j in range(i + 1, min(i + 1 + _SWAP_WINDOW, len(out))):
-                b, _ = out[j]
+                b = out[j][0]
                 if set(a) & set(b) or (set(a) | set(b)) != present:
                     continue
                 if {e.key for e in b.values()} == keys and len(keys) == 1:
-                    out[i] = ({**a, **b}, True)
+                    out[i] = ({**a, **b}, True, out[i][2])
+                    for k in range(i + 1, j):
+                        out[k] = (out[k][0], out[k][1], True)
                     del out[j]
                     break
         i += 1
@@ -409,7 +417,7 @@ def match_step(
         slots = _merge_swaps(_align(per_rank, present), set(present))
         last_pos: dict[int, int] = {}
         group_joined = []
-        for pos, (slot_entries, order) in enumerate(slots):
+        for pos, (slot_entries, order, swapped) in enumerate(slots):
             for r in slot_entries:
                 last_pos[r] = pos
             group_joined.append(
@@ -421,12 +429,17 @@ def match_step(
                     tuple(present),
                     tuple(r for r in group if r in absent),
                     order=order,
+                    swapped=swapped,
                 )
             )
         for pos, slot in enumerate(group_joined):
             _judge(slot, len(group), incomplete, last_pos, pos)
         joined.extend(group_joined)
-        findings.extend(_findings(group_joined, last_op, ended or {}))
+        group_findings = _findings(group_joined, last_op, ended or {})
+        shifted = _shifted(group_joined, primary=not group_findings)
+        findings.extend(
+            group_findings if shifted is None else sorted([*group_findings, shifted], key=_by_seq)
+        )
 
     for (name, group, src, dst), sides in sorted(p2p.items(), key=lambda kv: kv[0][1:] + (kv[0][0],)):
         if src in absent or dst in absent or src not in entries or dst not in entries:
@@ -448,6 +461,52 @@ def match_step(
     return joined, findings
 
 
+def _by_seq(f: Finding) -> int:
+    return f.seq
+
+
+def _shifted(slots: list[Joined], *, primary: bool) -> Finding | None:
+    """One finding for a group's collectives that paired calls with different sequence numbers: a collective
+    skipped (or added) earlier on some rank shifted every later one, and gloo pairs by count, so each of them
+    exchanged data between different calls (and their timings compare different calls). Marks those slots
+    ``shifted``. None when every joined collective's members agree on its number."""
+    shifted = []
+    for slot in slots:
+        numbers = {e.seq for e in slot.entries.values() if e.seq >= 0}
+        if slot.verdict == "matched" and not slot.swapped and len(numbers) > 1:
+            slot.verdict = "shifted"
+            slot.detail = "paired calls with different sequence numbers"
+            shifted.append(slot)
+    if not shifted:
+        return None
+    first = shifted[0]
+    seqs = {r: e.seq for r, e in sorted(first.entries.items())}
+    behind = tuple(r for r, s in seqs.items() if s < max(seqs.values()))  # issued fewer: skipped one
+    at = next(iter(first.entries.values()))
+    message = (
+        f"{len(shifted)} collective(s) of group {list(first.group)}, from {at.label} ({at.source or 'no source'}) "
+        f"on, paired calls with different sequence numbers ({', '.join(f'{s} on rank {r}' for r, s in seqs.items())}): "
+        f"rank(s) {list(behind)} issued fewer collectives before them (a skipped one: see the earlier finding in "
+        "this group), so each exchanged data with another call, and their timing says nothing"
+    )
+    where = {r: e.where() for r, e in sorted(first.entries.items())}
+    return Finding("shifted", first.step, first.group, first.seq, behind, message, where, primary=primary)
+
+
+def mark_consequences(findings: list[Finding]) -> None:
+    """A finding in a group after a primary finding of an earlier step in that group is its consequence
+    (``primary=False``): one skipped collective shifts every later one of the group, step after step."""
+    first_cause: dict[tuple[int, ...], int] = {}
+    for f in sorted(findings, key=lambda f: f.step):
+        if not f.group:
+            continue
+        cause = first_cause.get(f.group)
+        if cause is not None and cause < f.step:
+            f.primary = False
+        elif f.primary and cause is None:
+            first_cause[f.group] = f.step
+
+
 def ending(info: dict[str, Any]) -> str:
     """``SIGTERM`` / ``exception (RuntimeError: Timed out ...)``: how an incomplete shard's window ended."""
     error = (info.get("error") or "").strip().splitlines()
@@ -463,7 +522,7 @@ def _findings(
 ) -> list[Finding]:
     out: list[Finding] = []
     for slot in slots:
-        if slot.verdict == "matched":
+        if slot.verdict in ("matched", "shifted"):
             continue
         where = {r: e.where() for r, e in sorted(slot.entries.items())}
         for r in slot.missing:

@@ -118,7 +118,8 @@ def straggler_rows(step: int, joined: list[Joined], st: StepTiming) -> list[dict
     overlapping ones (async collectives such as DDP's buckets in flight together) count once per waiting rank."""
     m = st.members
     eligible = np.array(
-        [not j.p2p and len(j.entries) >= 2 and j.verdict != "not_completed" for j in joined], dtype=bool
+        [not j.p2p and len(j.entries) >= 2 and j.verdict not in ("not_completed", "shifted") for j in joined],
+        dtype=bool,
     )
     if not eligible.any():
         return []
