@@ -158,6 +158,32 @@ def test_straggler_named_first_and_waits_reflect_sleep(tmp_path):
     assert tb.loc[0, "wait_ns"] == 4 * sleep and tb.loc[0, "comm_ns"] > tb.loc[1, "comm_ns"]
 
 
+def test_a_receiver_waits_for_a_late_sender_and_never_the_other_way(tmp_path):
+    # Pipeline stages: step 0, stage 0 (rank 0) sends its activations 200 ms after stage 1 posted the receive;
+    # step 1, stage 0 sends at once and stage 1 posts its receive 50 ms later (the send is buffered: nobody
+    # waits for a receiver).
+    late, slow = 200_000_000, 50_000_000
+    s0 = [
+        coll("send", peer=1, issue=T + late, complete=T + late + 10_000),
+        coll("send", peer=1, issue=T + 10**9, complete=T + 10**9 + 10_000),
+    ]
+    s1 = [
+        coll("recv", peer=0, issue=T, complete=T + late + 20_000),
+        coll("recv", peer=0, issue=T + 10**9 + slow, complete=T + 10**9 + slow + 10_000),
+    ]
+    traces = [make_trace(r, [s[k]], step=k) for k in (0, 1) for r, s in enumerate((s0, s1))]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path)
+    assert g.findings == []
+    strag = g.stragglers().set_index(["step", "rank"])
+    assert strag.loc[(0, 0), "caused_wait_ns"] == late and strag.loc[(0, 1), "wait_ns"] == late
+    assert strag.loc[(0, 0), "last_count"] == 1 and strag.loc[(0, 0), "wait_ns"] == 0
+    assert (strag.loc[(1, 0), "wait_ns"], strag.loc[(1, 1), "caused_wait_ns"]) == (0, 0)
+    assert strag.loc[(1, 1), "last_count"] == 0
+    tb = g.time_breakdown().set_index(["step", "rank"])
+    assert tb.loc[(0, 1), "wait_ns"] == late and tb.loc[(1, 0), "wait_ns"] == 0
+
+
 def test_overlapping_async_waits_count_once(tmp_path):
     # DDP-style: rank 1 issues three async bucket all-reduces 100 ms after rank 0, all in flight together.
     # Rank 0 waited 100 ms of wall time, not 3 x 100 ms.

@@ -18,6 +18,8 @@ Verdict per joined collective, first that applies:
   reached it (the hang signature).
 - ``order``          the ranks issued it at different positions (swapped collectives).
 - ``missing``        some members never issued it (skipped, or did something else there).
+- ``shifted``        the members agree on it but not on its sequence number: an earlier skip or extra call
+  shifted the group, and backends pair calls by count (one finding per group and step).
 - ``matched``.
 """
 
@@ -38,6 +40,7 @@ VERDICTS = (
     "type_mismatch",
     "dtype_mismatch",
     "size_mismatch",
+    "shifted",
 )
 # Swapped collectives are looked for within this many joined collectives of each other.
 _SWAP_WINDOW = 3

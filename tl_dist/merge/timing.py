@@ -20,7 +20,7 @@ import numpy as np
 
 from ..step_facts import FACTS, window_facts
 from .clocks import ClockSolution
-from .match import Joined
+from .match import P2P_FUNCS, Joined
 from .members import Members, grouped_union
 
 _MIN = np.iinfo(np.int64).min
@@ -115,18 +115,25 @@ def member_waits(joined: list[Joined], timing: StepTiming) -> Iterator[tuple[int
 def straggler_rows(step: int, joined: list[Joined], st: StepTiming) -> list[dict[str, Any]]:
     """Per rank of one step: the time others waited for it (as last arriver), how often it was last, its own
     wait, and its waits within the clock uncertainty. Waits are intervals [own arrival, last arrival];
-    overlapping ones (async collectives such as DDP's buckets in flight together) count once per waiting rank."""
+    overlapping ones (async collectives such as DDP's buckets in flight together) count once per waiting rank.
+    Point-to-point pairs count too, the receiver waiting for a late sender (pipeline stages)."""
     m = st.members
     eligible = np.array(
-        [not j.p2p and len(j.entries) >= 2 and j.verdict not in ("not_completed", "shifted") for j in joined],
-        dtype=bool,
+        [len(j.entries) >= 2 and j.verdict not in ("not_completed", "shifted") for j in joined], dtype=bool
     )
     if not eligible.any():
         return []
+    # A send/recv pair: only the receiver waits (for a late sender); a send posted before its receive is
+    # buffered or completes when the receiver gets there, and nobody waited for that receiver.
+    sender = np.array([j.p2p and P2P_FUNCS.get(e.func) == "send" for j in joined for e in j.entries.values()])
+    last_all = st.last_rank.copy()
+    for k, j in enumerate(joined):
+        if j.p2p and last_all[k] >= 0 and P2P_FUNCS.get(j.entries[int(last_all[k])].func) == "recv":
+            last_all[k] = -1
     rows = eligible[m.coll]
     rank, end = m.rank[rows], (st.start + st.skew)[m.coll][rows]
-    wait, unsure = st.wait[rows], st.uncertain[rows]
-    last = st.last_rank[m.coll][rows]
+    wait, unsure = np.where(sender, 0, st.wait)[rows], np.where(sender, 0, st.uncertain)[rows]
+    last = last_all[m.coll][rows]
     ranks, own = grouped_union(rank, end - wait, end)
     width = int(m.rank.max()) + 1
     blame = (wait > 0) & (last >= 0)
@@ -135,7 +142,7 @@ def straggler_rows(step: int, joined: list[Joined], st: StepTiming) -> list[dict
     np.add.at(caused, pairs // width, caused_pairs)
     u_ranks, u_total = grouped_union(rank[unsure > 0], (end - unsure)[unsure > 0], end[unsure > 0])
     uncertain = dict(zip(u_ranks.tolist(), u_total.tolist()))
-    lasts = st.last_rank[eligible]
+    lasts = last_all[eligible]
     last_count = np.bincount(lasts[lasts >= 0], minlength=width)
     return [
         {
