@@ -487,6 +487,18 @@ def test_bad_edit_arguments_name_the_argument(make: Callable, message: str) -> N
         make()
 
 
+def test_mean_ablate_over_a_dimension_the_value_lacks_names_it() -> None:
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), torch.randn(2, 4)
+    hooks = dict(torch.nn.modules.module._global_forward_hooks)
+    with pytest.raises(
+        tl.InterventionError, match=r"tl.mean_ablate\(dims=\(7,\)\) on relu_1: its output has 2 "
+    ):
+        tl.trace(model, x, intervene=tl.when(tl.func("relu"), tl.mean_ablate(dims=7)))
+    assert dict(torch.nn.modules.module._global_forward_hooks) == hooks  # nothing left behind
+    got = tl.trace(model, x, intervene=tl.when(tl.func("relu"), tl.mean_ablate(dims=-2))).output
+    assert torch.equal(got, model(x).mean(dim=0, keepdim=True).expand(2, 3))
+
+
 def test_an_intervention_that_edits_nothing_warns() -> None:
     run = run_of("rescnn-module")
     typo = r"intervene=tl.when\(tl.module\('blocks.5'\), tl.zero_ablate\(\)\) edited nothing"

@@ -125,6 +125,8 @@ def test_bad_selectors_name_what_was_expected():
         tl.module(None)
     with pytest.raises(TypeError, match=r"tl\.func\(\) expects str names"):
         tl.func("relu", 1)
+    with pytest.raises(ValueError, match=r"tl\.func\(\) names must be op names such as 'relu', got ''"):
+        tl.func("relu", "")
     with pytest.raises(TypeError, match=r"selector & expects another selector .* got 'relu'"):
         tl.func("relu") & "relu"
     with pytest.raises(TypeError, match=r"selector \| expects another selector"):

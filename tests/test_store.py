@@ -280,6 +280,8 @@ def test_missing_file_and_bad_arguments(tmp_path):
         tl.load(3)
     with pytest.raises(ValueError, match="tensors"):
         tl.load(tmp_path / "nope.h5", tensors="yes")
+    with pytest.raises(ValueError, match=r"path must be a str or os.PathLike file name, got 5 \(int\)"):
+        tl.trace(torch.nn.ReLU(), torch.ones(2)).save(5)
 
 
 @pytest.mark.needs("dot", optional=True)

@@ -154,6 +154,11 @@ class mean_ablate(Edit):  # noqa: N801
             raise InterventionError(
                 f"tl.mean_ablate on {op.label}: its output is {value.dtype}, not floating point"
             )
+        if any(not -value.dim() <= d < value.dim() for d in self.dims):
+            raise InterventionError(
+                f"tl.mean_ablate(dims={self.dims}) on {op.label}: its output has {value.dim()} dimension(s) "
+                f"(shape {tuple(value.shape)}); dims must be in [{-value.dim()}, {value.dim() - 1}]"
+            )
         return value.mean(dim=self.dims, keepdim=True).expand_as(value).clone()
 
     def __repr__(self) -> str:

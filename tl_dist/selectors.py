@@ -100,6 +100,8 @@ class func(Selector):  # noqa: N801 - the public spelling is tl.func(...)
 
     def __init__(self, *names: str) -> None:
         self.names = frozenset(_names("func", names))
+        if "" in self.names:
+            raise ValueError("tl.func() names must be op names such as 'relu', got ''")
 
     def match(self, op: Any) -> bool:
         name = op.func

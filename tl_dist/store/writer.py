@@ -201,6 +201,8 @@ def write_shard(
     """
     if not isinstance(options, ShardOptions):
         raise ValueError(f"options must be a ShardOptions, got {type(options).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a str or os.PathLike file name, got {path!r} ({type(path).__name__})")
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"path: folder {path.parent} does not exist (writing shard {path.name})")
