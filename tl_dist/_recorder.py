@@ -509,9 +509,8 @@ class Recorder:
         token = self.token
         ops: list[int] = []
         poss: list[int] = []
-        if (
-            self.pending is not None
-        ):  # linked first: a leaf's node the next check sees unlinked is not its op's
+        # The last op's outputs are linked first: a leaf's node the loop then finds unlinked is not that op's.
+        if self.pending is not None:
             self.training.link_pending()
         for leaf in leaves:
             tag = getattr(leaf, _TAG, None) if isinstance(leaf, Tensor) else None

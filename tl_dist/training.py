@@ -316,9 +316,10 @@ class TrainingState:
 
     def arrived(self, index: int, *, reader: bool) -> None:
         """Collective ``index``'s outputs hold its result now: the statistics it deferred are taken. Called
-        when the op ``reader`` runs with one of them as input (a c10d collective's buffer: whoever reads it
-        waited for it first), when a functional collective's ``wait_tensor`` returned (its reader waits inside
-        its own dispatch, after the recorder saw it), and for the rest when the window closes."""
+        with ``reader=True`` when an op reads one of them (for a c10d collective's buffer only: whoever reads it
+        waited for it first; a functional collective's reader waits inside its own dispatch, after the recorder
+        saw it), when a functional collective's ``wait_tensor`` returned, and for the rest when the window
+        closes."""
         entry = self.in_flight.get(index)
         if entry is None or (reader and not entry[1]):
             return
