@@ -118,6 +118,7 @@ def _tp_late(rank, world_size, out_dir):
     model = _tp_model()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     model(x).sum().backward()  # warm up outside the window
+    torch.distributed.barrier()  # both ranks start the window together
     with tl.capture() as cap:
         if rank == 1:
             time.sleep(0.2)
@@ -134,5 +135,5 @@ def test_tensor_parallel_collective_completes_after_the_late_rank_issued_it(tmp_
     on_time, late = run_ranks(_tp_late, world_size=2, tmp_path=tmp_path)
     # Rank 0 issued the forward all-reduce ~0.2 s before rank 1 did: it cannot have completed before that
     # (one host, one clock; 5 ms for the clocks' reading order). Its view is not where it waited.
-    assert late["issue"] - on_time["issue"] > 0.15e9
+    assert late["issue"] - on_time["issue"] > 0.1e9  # the sleep, less what a loaded machine lets rank 0 lag
     assert on_time["complete"] >= late["issue"] - 5_000_000, (on_time, late)
