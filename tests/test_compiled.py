@@ -403,3 +403,34 @@ def test_a_window_silences_torchs_global_hook_warning_and_leaves_the_filters_as_
         with tl.capture():
             compiled(x)
         assert list(warnings.filters) == before
+
+
+def test_a_model_compiled_for_the_first_time_inside_a_window_is_compiled():
+    # tl.arm(every=N) captures step 0, where a compiled model compiles. Dynamo inlines the global module hooks
+    # into the frame it traces: a hook that called into torch._C there broke the graph before the first op,
+    # and Dynamo then ran that frame eagerly for the rest of the process.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(model)
+    x = torch.randn(4, 8)
+    breaks = sum(counters["graph_break"].values())
+    before = _compile_counts()
+    with tl.capture() as first:
+        compiled(x).sum().backward()
+    after = _compile_counts()
+    assert sum(counters["graph_break"].values()) == breaks
+    assert after["graphs"] == before["graphs"] + 1 and after["aot"] == before["aot"] + 1
+    assert [op.func for op in first.trace if op.kind == "compiled"] == [
+        "compiled_forward",
+        "compiled_backward",
+    ]
+    compiled(x).sum().backward()  # outside: at most one recompile (the hooks it was traced with are gone)
+    settled = _compile_counts()
+    assert settled["graphs"] <= after["graphs"] + 1
+    with tl.capture() as later:
+        compiled(x).sum().backward()
+    assert _compile_counts()["graphs"] == settled["graphs"]
+    assert [op.func for op in later.trace if op.kind == "compiled"] == [
+        "compiled_forward",
+        "compiled_backward",
+    ]

@@ -43,6 +43,9 @@ _CALL_CODES = frozenset(
 )
 _get_ident = threading.get_ident
 _graph_task_id = torch._C._current_graph_task_id
+# Constant True while Dynamo traces (it inlines the global module hooks into the frame it compiles: a call
+# into torch._C there would break the graph, and a frame that breaks before its first op is never compiled).
+_compiling = torch.compiler.is_compiling
 
 
 def _strip_compiled(name: str) -> str:
@@ -210,6 +213,8 @@ class ModuleTracker:
             self._warning_filter = entry
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if _compiling():
+            return  # Dynamo tracing a module's call inlines the global hooks: nothing of ours in its graph
         in_engine = _graph_task_id() != -1
         if _get_ident() != self.thread and not in_engine:
             return  # another thread's module call: not part of this window
@@ -262,6 +267,8 @@ class ModuleTracker:
         self._set_current()
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if _compiling():
+            return None
         stack = self._stack
         key = id(module)
         if not stack or (stack[-1][0] != key and all(entry[0] != key for entry in stack)):
