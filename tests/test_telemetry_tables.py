@@ -80,7 +80,16 @@ def _trace(*, metadata=None, collectives=(), stats=(), output_of=None, ops=OPS, 
             )
             | dict(start_ns=1000 + 1000 * i, source=f"model.py:{10 + i}", device="cpu")
         )
-    calls = [dict(address=a, type=t, depth=d) for a, t, d in modules]
+    # each call returned the ops output_of lists for its address
+    calls = [
+        dict(
+            address=a,
+            type=t,
+            depth=d,
+            out_ops=tuple(op for op, mods in (output_of or {}).items() if a in mods),
+        )
+        for a, t, d in modules
+    ]
     columns, mods = _table(OP_FIELDS, rows), _table(MODULE_CALL_FIELDS, calls)
     ct, st = _table(COLLECTIVE_FIELDS, collectives), _table(STAT_FIELDS, stats)
     meta = {"window_start_ns": 500, "window_end_ns": 20_500} if metadata is None else metadata
@@ -275,6 +284,28 @@ def test_collective_rows_group_names_bandwidth_and_time_in_flight():
     assert list(t.frame("collectives").columns) == list(CollectiveRow._fields)
 
 
+def test_a_modules_norms_are_its_last_calls_and_of_one_output_tensor():
+    # "shared" called twice (ops 1 then 2); "" (the root) returned two tensors (ops 3 and 2: a dict of logits
+    # and loss, logits first). Gradient rows arrive in backward order: call 1's before call 0's.
+    stats = [
+        dict(op=1, of="out", at=1, norm=3.7),
+        dict(op=2, of="out", at=2, norm=2.3),
+        dict(op=3, of="out", at=3, norm=9.3),
+        dict(op=3, of="grad", at=6, norm=0.6),
+        dict(op=2, of="grad", at=7, norm=6.7),
+        dict(op=1, of="grad", at=8, norm=2.4),
+    ]
+    calls = [
+        dict(address="", type="Net", depth=0, out_ops=(3, 2)),
+        dict(address="shared", type="Linear", depth=1, out_ops=(1,)),
+        dict(address="shared", type="Linear", depth=1, out_ops=(2,)),
+    ]
+    t = _trace(stats=stats, output_of={1: ("shared",), 2: ("shared", ""), 3: ("",)})
+    t.module_table = _table(MODULE_CALL_FIELDS, calls)
+    norms = {(r.module, r.of): r.norm for r in summarize(t).norms}
+    assert norms == {("", "out"): 9.3, ("", "grad"): 0.6, ("shared", "out"): 2.3, ("shared", "grad"): 6.7}
+
+
 def test_statistics_give_the_last_call_norms_and_nonfinite_counts_per_module():
     stats = [
         # op 1 (enc.1's output, which is also enc's): two calls' rows, the later one is reported
@@ -302,9 +333,9 @@ def test_statistics_give_the_last_call_norms_and_nonfinite_counts_per_module():
     ]
     output_of = {1: ("enc.1", "enc"), 2: ("head",)}
     t = summarize(_trace(stats=stats, output_of=output_of))
-    assert t.norms == (
-        NormRow("enc.1", "out", 3.0, 0.5, 0.25, 0.0, 2.0),
+    assert t.norms == (  # in the module table's order
         NormRow("enc", "out", 3.0, 0.5, 0.25, 0.0, 2.0),
+        NormRow("enc.1", "out", 3.0, 0.5, 0.25, 0.0, 2.0),
         NormRow("head", "out", 1.0, 0.1, 0.2, -1.0, 1.0),
         NormRow("head", "grad", 5.0, 0.0, 1.0, -2.0, 2.0),
     )

@@ -178,7 +178,8 @@ class Capture:
                 warnings.warn(
                     "tl_dist: a torch.compile'd module ran inside a capture window without running an Inductor "
                     "region (another backend, or Dynamo fell back to eager): its ops are recorded one by one, "
-                    "with eager times; addresses leave out the '_orig_mod' wrapper (docs/compile.md)",
+                    "with eager times; addresses leave out the '_orig_mod' wrapper, and submodules that ran inside "
+                    "a compiled graph have no calls of their own (module hooks do not run there; docs/compile.md)",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -418,25 +418,44 @@ def collective_rows(table: dict[str, list]) -> tuple[CollectiveRow, ...]:
     return tuple(rows)
 
 
+def module_norms(trace: Trace) -> tuple[NormRow, ...]:
+    """The norms fact (docs/telemetry.md "Step facts"): per module, the statistics of the tensor its last call
+    returned and of the gradient w.r.t. that same tensor. A call that returned several (a dict of logits and
+    loss) is represented by its first output leaf that has output statistics. Every view reads these rows.
+
+    Example:
+        >>> {(r.module, r.of): r.norm for r in module_norms(cap.trace)}[("encoder", "out")]
+    """
+    table = trace.stats_table
+    if not table["op"]:
+        return ()
+    stats = {(op, of): k for k, (op, of) in enumerate(zip(table["op"], table["of"]))}
+    calls = trace.module_table
+    last: dict[str, int] = {}  # address -> its last call's row
+    for row, address in enumerate(calls["address"]):
+        last[address] = row
+    rows = []
+    for address, row in last.items():
+        outs = [op for op in calls["out_ops"][row] if op >= 0]
+        chosen = next((op for op in outs if (op, "out") in stats), None)
+        if chosen is None:
+            chosen = next((op for op in outs if (op, "grad") in stats), None)
+        for of in ("out", "grad"):
+            k = stats.get((chosen, of))
+            if k is not None:
+                values = (table[name][k] for name in ("norm", "mean", "std", "min", "max"))
+                rows.append(NormRow(address, of, *values))
+    return tuple(rows)
+
+
 def _stat_rows(trace: Trace) -> tuple[tuple[NormRow, ...], tuple[NonfiniteRow, ...]]:
     table = trace.stats_table
     if not table["op"]:
         return (), ()
     cols = trace.columns
-    norms: dict[tuple[str, str], NormRow] = {}
     bad: dict[tuple[str, str], int] = {}
-    for k, (op, of) in enumerate(zip(table["op"], table["of"])):
-        for address in trace.output_of.get(op, ()):
-            norms[(address, of)] = NormRow(
-                address,
-                of,
-                table["norm"][k],
-                table["mean"][k],
-                table["std"][k],
-                table["min"][k],
-                table["max"][k],
-            )
+    for op, of, k in zip(table["op"], table["of"], range(len(table["op"]))):
         if nonfinite_value(of, cols["phase"][op], table["nan"][k], table["inf"][k]):
             module = cols["module"][op] if cols["module_stack"][op] else OUTSIDE
             bad[(module, of)] = bad.get((module, of), 0) + 1
-    return tuple(norms.values()), tuple(NonfiniteRow(m, of, c) for (m, of), c in bad.items())
+    return module_norms(trace), tuple(NonfiniteRow(m, of, c) for (m, of), c in bad.items())

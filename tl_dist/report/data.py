@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..merge.timing import member_waits, step_timing, trace_breakdown
 from ..schema import OUTSIDE, PHASES, module_name
 from ..step_facts import nonfinite_origin
-from ..telemetry import collective_rows, region_shares, split_region
+from ..telemetry import collective_rows, module_norms, region_shares, split_region
 from ..views.graph import home_calls
 
 if TYPE_CHECKING:
@@ -563,9 +563,7 @@ class Run:
         (:func:`~tl_dist.step_facts.nonfinite_origin`), the first in that rank's window."""
         series: dict[tuple[str, str], dict[int, list[float]]] = {}
         first = None
-        firsts: dict[
-            tuple[int, int], dict
-        ] = {}  # (step, rank) -> its first non-finite value, first step only
+        firsts: dict[tuple[int, int], dict] = {}  # (step, rank) -> its first non-finite value, first step
         recorded = False
         for key, t in sorted(self.full.items()):
             st = t.stats_table
@@ -573,15 +571,8 @@ class Run:
                 continue
             recorded = True
             homes = self.homes(key)
-            last_out: dict[str | None, int] = {}  # module -> its last op with recorded output statistics
-            for op, of in zip(st["op"], st["of"]):
-                if of == "out" and 0 <= op < len(homes):
-                    last_out[homes[op]] = max(last_out.get(homes[op], -1), op)
-            wanted = {op: module for module, op in last_out.items()}
-            for op, of, norm in zip(st["op"], st["of"], st["norm"]):
-                module = wanted.get(op, ...)
-                if module is not ...:
-                    series.setdefault((_named(module), of), {}).setdefault(key[0], []).append(norm)
+            for row in module_norms(t):  # the norms fact, as StepTelemetry and the exporters read it
+                series.setdefault((_named(row.module), row.of), {}).setdefault(key[0], []).append(row.norm)
             if not firsts or key[0] == next(iter(firsts))[0]:  # the first step with one: every rank's
                 bad = [k for k in range(len(st["op"])) if st["nan"][k] or st["inf"][k]]
                 if bad:
