@@ -230,3 +230,35 @@ def test_first_nonfinite_is_where_it_arose_not_where_a_collective_brought_it():
         t0.stats_table[name].append(value)
     first = Run.of(g).statistics()["first_nonfinite"]
     assert (first["step"], first["rank"], first["label"], first["of"]) == (1, 1, "relu_1", "grad")
+
+
+def test_the_reports_norms_are_the_module_norms_of_plain_torch():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Block(), nn.Linear(4, 1)), torch.randn(5, 4)
+    want = {}
+
+    def keep(name):
+        return lambda mod, args, out: want.__setitem__(name, float(out.detach().double().norm()))
+
+    for name in ("0", "0.fc2", "1"):
+        model.get_submodule(name).register_forward_hook(keep(name))
+    with tl.capture(stats=True) as cap:
+        model(x).sum().backward()
+    for name in ("0", "0.fc2", "1"):
+        model.get_submodule(name)._forward_hooks.clear()
+    lines = Run.of(cap.trace).statistics()["lines"]
+    # The block returns fc2's output: its norm, not that of the block's last own op.
+    for name in ("0", "0.fc2", "1"):
+        assert lines[f"{name} out"][0] == pytest.approx(want[name], rel=1e-6)
+    assert {(r.module, r.of): r.norm for r in summarize(cap.trace).norms}[("0", "out")] == lines["0 out"][0]
