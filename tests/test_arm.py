@@ -75,6 +75,24 @@ def test_window_counter_names_shards_without_step(tmp_path, model):
     assert [tl.load(rank_dir / n).metadata["window"] for n in names] == [0, 1, 2]
 
 
+def test_a_step_captured_twice_says_its_shard_is_replaced(tmp_path, model):
+    rank_dir = tl.arm(tmp_path)
+    with tl.capture(step=1):  # window 0
+        small_step(model, torch.randn(2, 4))
+    with pytest.warns(RuntimeWarning, match=r"step 1 was already captured by window 0 of this process") as w:
+        with tl.capture(step=1):  # a second micro-batch given the same step
+            model(torch.randn(2, 4))
+    assert w[0].filename == __file__  # the user's line, not tl_dist's
+    with tl.capture():  # window 2, numbered 2: no collision
+        model(torch.randn(2, 4))
+    with pytest.warns(RuntimeWarning, match=r"step 2 was already captured by window 2"):
+        with tl.capture(step=2):
+            model(torch.randn(2, 4))
+    tl.flush()
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["step00000001.h5", "step00000002.h5"]
+    assert tl.load(rank_dir / "step00000001.h5").metadata["window"] == 1  # the later window's
+
+
 def test_armed_defaults_apply_and_explicit_arguments_win(tmp_path, model):
     rank_dir = tl.arm(tmp_path, options=tl.CaptureOptions(save=tl.func("relu")))
     with tl.capture(step=1):

@@ -6,6 +6,7 @@ A leaf module below all of them (it imports only the schema), so any part can us
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -170,6 +171,16 @@ def byte_extent(t: torch.Tensor) -> tuple[int, int]:
             return 0, 0
         hi += (size - 1) * abs(stride)
     return lo * itemsize, hi * itemsize
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the calling function that names the first line outside
+    tl_dist (the user's ``with tl.capture(...)``, however many of tl_dist's frames lie between)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(OWN_DIR):
+        level += 1
+        frame = frame.f_back
+    return level
 
 
 def has_its_bytes(t: torch.Tensor) -> bool:

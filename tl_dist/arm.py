@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from . import _session, _signals
+from ._common import user_stacklevel
 from ._postmortem import SIGNAL_FLUSH_S, write_postmortem
 from ._postmortem import writing as _writing
 from ._signals import on_signal as _on_signal
@@ -149,6 +150,7 @@ class Armed:
         rank_dir = f"rank{self.metadata['rank']:05d}"
         self.rank_dir = location.join(out_dir, rank_dir) if out_dir is not None else None
         self.windows = 0
+        self.steps: dict[int, int] = {}  # step -> the number of the window that last captured it
         self.previous_handlers: dict[int, Any] = {}  # filled when this session installs the signal handlers
         self.watcher: Any = None  # the signal watcher thread of those handlers
         self.closed = False
@@ -193,6 +195,17 @@ class Window:
         self.number = armed.windows
         armed.windows += 1
         self.step = step if step is not None else self.number
+        earlier = armed.steps.get(self.step)
+        if earlier is not None and armed.shard_sink is not None:
+            warnings.warn(
+                f"tl_dist: step {self.step} was already captured by window {earlier} of this process: this window's "
+                f"shard (step{self.step:08d}.h5) replaces that one. Give each window its own step= (with "
+                "gradient accumulation, capture one micro-batch per step; windows without step= are numbered "
+                "by their count, which explicit steps can collide with)",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        armed.steps[self.step] = self.number
         sink = armed.shard_sink
         self.path = sink.path_for({"rank": armed.metadata["rank"], "step": self.step}) if sink else None
         self.thread = threading.get_ident()  # the thread that runs the window: its stack goes in post-mortems

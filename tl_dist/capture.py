@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from . import _session
-from ._common import TAG, has_its_bytes, local_tensor, map_local, storage_key
+from ._common import TAG, has_its_bytes, local_tensor, map_local, storage_key, user_stacklevel
 from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .compiled import RegionHook, watch_compiles
@@ -340,7 +340,7 @@ def _drop_freed(saved: dict[int, list], grads: dict[int, list], labels: list[str
             f"{', '.join(dict.fromkeys(lost[:5]))}{' ...' if len(lost) > 5 else ''} (FSDP frees each unsharded "
             "parameter after use; an op that only views one, such as `t`, shares its memory)",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 
