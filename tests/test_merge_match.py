@@ -646,3 +646,27 @@ def test_long_error_is_cut_to_its_first_line_of_at_most_120_characters(tmp_path)
         f"rank 0's window ended early: exception ({line120})",
         f"rank 1's window ended early: exception ({line121[:117]}...)",
     ]
+
+
+def test_a_rank_gone_after_its_post_mortem_is_that_failures_consequence(tmp_path):
+    # Step 0: rank 1's optimizer raised (an incomplete shard, written at the error). Step 1: rank 1 never came;
+    # rank 0 timed out in its all-reduce.
+    boom = {"end_reason": "exception", "error": "RuntimeError: planted optimizer failure"}
+    traces = [
+        make_trace(0, [coll(source=A)], step=0),
+        make_trace(1, [coll(source=A)], step=0, complete=False, metadata=boom),
+        make_trace(0, [coll(source=B, state="issued")], step=1, complete=False, metadata=TIMEOUT),
+    ]
+    write_run(tmp_path, traces)
+    g = merge_ranks(tmp_path, strict=False)
+    assert [(f.kind, f.step, f.ranks, f.primary) for f in g.findings] == [
+        ("incomplete_shard", 0, (1,), True),
+        ("missing_rank", 1, (1,), False),
+        ("incomplete_shard", 1, (0,), True),
+        ("not_completed", 1, (0,), False),
+    ]
+    gone = g.findings[1].message
+    assert gone.startswith(
+        "no shard for rank 1: its last shard, step 0, is a post-mortem (rank 1's window ended"
+    )
+    assert "planted optimizer failure" in gone and "without a post-mortem" not in gone

@@ -20,7 +20,7 @@ from ..errors import SelectionError
 from .clocks import ClockSolution
 from .match import Finding, Joined, mark_consequences
 from .sources import GivenPaths, Interner, RankData
-from .steps import join_step
+from .steps import explain_missing_ranks, join_step
 from .timing import BREAKDOWN_COLUMNS, step_timing
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class MergedTrace:
         self.steps = [r.step for r in results]
         self.findings: list[Finding] = [f for r in results for f in r.findings]
         mark_consequences(self.findings)
+        explain_missing_ranks(self.findings)
         self.clock_solutions: dict[int, ClockSolution] = {r.step: r.clocks for r in results}
         self._collective_rows = [row for r in results for row in r.collective_rows]
         self._straggler_rows = [row for r in results for row in r.straggler_rows]

@@ -63,6 +63,31 @@ def beside_note(step: int, ranks: list[int], given: GivenPaths | None) -> str:
     )
 
 
+def explain_missing_ranks(findings: list[Finding]) -> None:
+    """A rank without a shard at a step whose last shard ended early (an exception, a signal) did not die
+    without a post-mortem: it left that one and never came back. Its ``missing_rank`` says so and is that
+    ending's consequence (``primary=False``), as are hangs of its groups at that step."""
+    ended = {(f.step, f.ranks[0]): f for f in findings if f.kind == "incomplete_shard" and f.ranks}
+    gone: set[tuple[int, int]] = set()  # (step, rank) without a shard, its process having failed before
+    for f in findings:
+        if f.kind != "missing_rank" or not f.ranks:
+            continue
+        r = f.ranks[0]
+        last = f.where.get(r, {}).get("last_step")
+        cause = ended.get((last, r))
+        if cause is None or "shard" in f.where.get(r, {}):
+            continue
+        f.message = (
+            f"no shard for rank {r}: its last shard, step {last}, is a post-mortem ({cause.message}); it did not "
+            "capture this step"
+        )
+        f.primary = False
+        gone.add((f.step, r))
+    for f in findings:  # the others then hang waiting for it: that failure's consequence too
+        if f.kind == "not_completed" and any((f.step, r) in gone for r in f.group):
+            f.primary = False
+
+
 def shard_findings(step: int, data: dict[int, RankData], absent: set[int], run: RunFacts) -> list[Finding]:
     """Findings about the shards themselves: ``unreadable_shard``, ``missing_rank`` (with the last step that
     rank wrote a shard for), ``foreign_shard`` (written by another job) and ``incomplete_shard`` (how its window
