@@ -29,6 +29,7 @@ def coll(
     in_numel=None,
     compute_ns=0,
     root=-1,
+    group_name=None,
 ):
     """One collective of a rank's script: issued at ``issue`` ns after the previous op ended (``compute_ns``
     of compute before it), completed at ``complete`` (absolute, rank clock) or right after issue. ``in_numel`` /
@@ -49,6 +50,7 @@ def coll(
         in_numel=in_numel,
         compute_ns=compute_ns,
         root=root,
+        group_name=group_name,
     )
 
 
@@ -81,7 +83,9 @@ def make_trace(
                 row.update(start_ns=start, duration_ns=max(end - start, 0), aten=f"c10d.{func}_.default")
                 t = end
                 group = c["group"]
-                seqs[group] = seqs.get(group, 0) + 1
+                # unique, as c10d: "0" for the default group
+                name = c["group_name"] or ("0" if len(group) == world_size else "-".join(map(str, group)))
+                seqs[(name, group)] = seqs.get((name, group), 0) + 1
                 i_mul, o_mul = NUMEL.get(func, (1, 1))
                 out_numel = c["out_numel"] if c["out_numel"] is not None else c["numel"] * o_mul
                 in_numel = c["in_numel"] if c["in_numel"] is not None else c["numel"] * i_mul
@@ -89,11 +93,9 @@ def make_trace(
                     op=len(rows),
                     func=func,
                     group_ranks=group,
-                    group_name="0"
-                    if len(group) == world_size
-                    else "-".join(map(str, group)),  # unique, as c10d
+                    group_name=name,
                     group_desc="default_pg",
-                    seq=seqs[group] if func not in ("send", "recv") else -1,
+                    seq=seqs[(name, group)] if func not in ("send", "recv") else -1,
                     reduce_op="sum" if func in ("all_reduce", "reduce_scatter") else "",
                     root=c["root"],
                     peer=c["peer"],

@@ -670,3 +670,18 @@ def test_a_rank_gone_after_its_post_mortem_is_that_failures_consequence(tmp_path
         "no shard for rank 1: its last shard, step 0, is a post-mortem (rank 1's window ended"
     )
     assert "planted optimizer failure" in gone and "without a post-mortem" not in gone
+
+
+def test_a_finding_in_a_subgroup_over_every_rank_names_the_process_group(tmp_path):
+    # A second group with the default group's members (dist.new_group([0, 1])): the members alone are ambiguous.
+    s0 = [coll(source=A), coll(source=B, group_name="1")]
+    s1 = [coll(source=A), coll(source=B, group_name="1", dtype="float64")]
+    f = _only(_merge(tmp_path / "twins", [s0, s1]))
+    assert f.kind == "dtype_mismatch" and "of group [0, 1] (process group '1') at" in f.message
+    f = _only(
+        _merge(
+            tmp_path / "one",
+            [[coll(source=B, group_name="1")], [coll(source=B, group_name="1", dtype="float64")]],
+        )
+    )
+    assert "of group [0, 1] at" in f.message  # one group with those members: no name needed

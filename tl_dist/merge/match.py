@@ -410,6 +410,8 @@ def match_step(
 
     joined: list[Joined] = []
     findings: list[Finding] = []
+    members = [group for _, group in groups]
+    twins = frozenset(g for g in members if members.count(g) > 1)
     for name, group in sorted(groups, key=lambda k: (k[1], k[0])):
         per_rank = groups[(name, group)]
         for lst in per_rank.values():
@@ -438,7 +440,7 @@ def match_step(
         for pos, slot in enumerate(group_joined):
             _judge(slot, len(group), incomplete, last_pos, pos)
         joined.extend(group_joined)
-        group_findings = _findings(group_joined, last_op, ended or {})
+        group_findings = _findings(group_joined, last_op, ended or {}, twins)
         shifted = _shifted(group_joined, primary=not group_findings)
         findings.extend(
             group_findings if shifted is None else sorted([*group_findings, shifted], key=_by_seq)
@@ -521,8 +523,13 @@ def ending(info: dict[str, Any]) -> str:
 
 
 def _findings(
-    slots: list[Joined], last_op: dict[int, dict[str, Any]], ended: dict[int, dict[str, Any]]
+    slots: list[Joined],
+    last_op: dict[int, dict[str, Any]],
+    ended: dict[int, dict[str, Any]],
+    twins: frozenset[tuple[int, ...]] = frozenset(),
 ) -> list[Finding]:
+    """Findings of one group's joined collectives; ``twins``: member tuples that several process groups of the
+    step share (a subgroup over every rank beside the default one), whose messages name the group too."""
     out: list[Finding] = []
     for slot in slots:
         if slot.verdict in ("matched", "shifted"):
@@ -539,7 +546,10 @@ def _findings(
             seq = ", ".join(f"{s} on rank {r}" for r, s in seqs.items())
         else:
             seq = str(slot.seq)
-        message = f"{kind}{slot.func} seq {seq} of group {list(slot.group)} at {at}: {slot.detail}"
+        group = f"{list(slot.group)}" + (
+            f" (process group {slot.group_name!r})" if slot.group in twins else ""
+        )
+        message = f"{kind}{slot.func} seq {seq} of group {group} at {at}: {slot.detail}"
         for r in slot.missing:
             stack_at = ended.get(r, {}).get("stack_at")
             if stack_at:
