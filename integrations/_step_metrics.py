@@ -104,19 +104,22 @@ def rank_module_values(t: StepTelemetry, timed: Sequence[str], every: Sequence[s
 MAX_ARRIVALS = 1024
 """Collectives per rank and step the straggler is computed from (the first ones; NB: a step with more is
 judged on its first MAX_ARRIVALS)."""
-_ARRIVAL = 4  # group key, seq, issue_ns, complete_ns
+_ARRIVAL = 5  # group key, seq, issue_ns, complete_ns, role (0 a collective, 1 a send, 2 a receive)
+_ROLE_CODE = {"": 0, "send": 1, "recv": 2}
+_ROLE_FUNC = {1: "send", 2: "recv"}
 
 
 def rank_arrivals(t: StepTelemetry | None, metadata: dict) -> list[int]:
     """This rank's fixed-length int row for the straggler: its clock's key (host and boot, as the merge tells
-    clocks apart), how many arrivals follow, then (group key, seq, issue_ns, complete_ns) per completed
-    collective (``StepTelemetry.arrivals``), zero-padded to :data:`MAX_ARRIVALS`."""
+    clocks apart), how many arrivals follow, then (group key, seq, issue_ns, complete_ns, role) per completed
+    collective or point-to-point transfer (``StepTelemetry.arrivals``), zero-padded to :data:`MAX_ARRIVALS`."""
     boot = metadata.get("boot_id") or ""
     clock = zlib.crc32(f"{metadata.get('host') or ''}\n{boot}".encode()) if boot else -1
     arrivals = t.arrivals[:MAX_ARRIVALS] if t is not None else ()
     row = [clock, len(arrivals)]
-    for group, seq, issue, complete in arrivals:
-        row += [zlib.crc32(",".join(map(str, group)).encode()), seq, issue, complete]
+    for group, seq, issue, complete, role in arrivals:
+        key = ("p2p:" if role else "") + ",".join(map(str, group))  # a pair (src, dst) is not a group
+        row += [zlib.crc32(key.encode()), seq, issue, complete, _ROLE_CODE[role]]
     return row + [0] * (2 + _ARRIVAL * MAX_ARRIVALS - len(row))
 
 
@@ -124,19 +127,20 @@ def step_straggler(step: int, rows: Sequence[Sequence[int]]) -> tuple[int, int] 
     """The straggler of a step from the gathered :func:`rank_arrivals` rows (``rows[r]`` of rank ``r``):
     ``tl_dist.step_facts.straggler`` of the rows the merge's ``stragglers()`` computes, by the same code (the
     collectives joined by (group, seq), clocks estimated as the merge estimates them)."""
-    by_key: dict[tuple[int, int], dict[int, Entry]] = {}
+    by_key: dict[tuple[int, int, bool], dict[int, Entry]] = {}
     clock_of: dict[int, tuple] = {}
     for rank, row in enumerate(rows):
         clock_of[rank] = ("host", row[0]) if row[0] != -1 else ("rank", rank)
         for k in range(int(row[1])):
-            key, seq, issue, complete = (int(v) for v in row[2 + _ARRIVAL * k : 2 + _ARRIVAL * (k + 1)])
-            by_key.setdefault((key, seq), {})[rank] = Entry(
-                rank, k, -1, "", (), "", seq, -1, -1, 0, 0, "", 0, False, issue, complete, "completed",
+            key, seq, issue, complete, role = (int(v) for v in row[2 + _ARRIVAL * k : 2 + _ARRIVAL * (k + 1)])
+            func = _ROLE_FUNC.get(role, "")
+            by_key.setdefault((key, seq, bool(role)), {})[rank] = Entry(
+                rank, k, -1, func, (), "", seq, -1, -1, 0, 0, "", 0, False, issue, complete, "completed",
                 "", "", "", False, (0, 0, 0),
             )  # fmt: skip
     joined = [
-        Joined(step, tuple(sorted(entries)), str(key), entries, tuple(sorted(entries)), ())
-        for (key, _seq), entries in by_key.items()
+        Joined(step, tuple(sorted(entries)), str(key), entries, tuple(sorted(entries)), (), p2p=p2p)
+        for (key, _seq, p2p), entries in by_key.items()
         if len(entries) >= 2
     ]
     if not joined:

@@ -100,14 +100,21 @@ def test_the_lightning_straggler_is_the_merge_rule_on_gathered_arrivals():
     # all_reduce seq 1: rank 0 arrives at 100, rank 1 at 400 (both done at 500): rank 0 waits 300 for rank 1.
     # seq 2: rank 1 at 600, rank 0 at 650: rank 1 waits 50 for rank 0. Straggler: rank 1, 300 ns.
     rows = [
-        row(((world, 1, 100, 500), (world, 2, 650, 700))),
-        row(((world, 1, 400, 500), (world, 2, 600, 700))),
+        row(((world, 1, 100, 500, ""), (world, 2, 650, 700, ""))),
+        row(((world, 1, 400, 500, ""), (world, 2, 600, 700, ""))),
     ]
-    assert len(rows[0]) == 2 + 4 * MAX_ARRIVALS
+    assert len(rows[0]) == 2 + 5 * MAX_ARRIVALS
     assert step_straggler(0, rows) == (1, 300)
     # Nobody waited (simultaneous arrivals), or nothing joined (one rank only): no straggler.
-    assert step_straggler(0, [row(((world, 1, 100, 500),)), row(((world, 1, 100, 500),))]) is None
-    assert step_straggler(0, [row(((world, 1, 100, 500),))]) is None
+    assert step_straggler(0, [row(((world, 1, 100, 500, ""),)), row(((world, 1, 100, 500, ""),))]) is None
+    assert step_straggler(0, [row(((world, 1, 100, 500, ""),))]) is None
+    # Pipeline stages: rank 1 posted its receive at 200, rank 0 sent at 700: rank 1 waited 500 for rank 0,
+    # as the merge counts it. A receive posted after its send waited for nobody.
+    pair = (0, 1)
+    late_send = [row(((pair, 1, 700, 710, "send"),)), row(((pair, 1, 200, 720, "recv"),))]
+    assert step_straggler(0, late_send) == (0, 500)
+    late_recv = [row(((pair, 1, 100, 110, "send"),)), row(((pair, 1, 600, 610, "recv"),))]
+    assert step_straggler(0, late_recv) is None
 
 
 def test_a_real_window_sleeping_before_its_first_op():
@@ -188,3 +195,46 @@ def test_the_nonfinite_origin_is_the_lowest_rank_where_it_arose():
     assert nonfinite_origin({0: "collective", 3: "compute", 2: "collective", 5: "compute"}) == 3
     assert nonfinite_origin({4: "collective", 1: "collective"}) == 1  # all received: the lowest
     assert nonfinite_origin({}) is None
+
+
+def _late_send(rank, world_size, out_dir):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import tl_dist as tl
+    from tl_dist.integrations._step_metrics import rank_arrivals
+    from tl_dist.telemetry import summarize
+
+    tl.arm(out_dir / "run")
+    x = torch.ones(4)
+    rows = []
+    for step, late in ((0, 0), (1, 1)):  # step 0: the sender is late; step 1: the receiver
+        dist.barrier()
+        with tl.capture(step=step) as cap:
+            if rank == late:
+                time.sleep(0.2)
+            if rank == 0:
+                dist.isend(x, dst=1).wait()  # buffered: a send waits for no receiver
+            else:
+                dist.recv(x, src=0)
+        rows.append(rank_arrivals(summarize(cap.trace), cap.trace.metadata))
+    tl.disarm()
+    return {"rows": rows}
+
+
+@pytest.mark.slow
+def test_a_late_pipeline_send_is_the_same_straggler_for_the_merge_and_lightning(tmp_path):
+    from dist_helpers import run_ranks
+
+    import tl_dist as tl
+    from tl_dist.integrations._step_metrics import step_straggler
+
+    ranks = run_ranks(_late_send, world_size=2, tmp_path=tmp_path)
+    frame = tl.merge_ranks(tmp_path / "run").stragglers()
+    merged = [straggler(frame[frame.step == s].to_dict("records")) for s in (0, 1)]
+    assert merged[0] is not None and merged[0][0] == 0 and merged[0][1] > 0.15e9  # the receiver waited ~0.2 s
+    assert merged[1] is None  # the late receiver kept nobody waiting
+    # The Lightning path, on the gathered rows: the same
+    assert [step_straggler(s, [r["rows"][s] for r in ranks]) for s in (0, 1)] == merged

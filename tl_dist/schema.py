@@ -217,6 +217,9 @@ def empty_columns(fields: tuple[Field, ...]) -> dict[str, list]:
 PHASES = ("forward", "backward", "optimizer", "recompute")
 """The phases of a training step an op can belong to (the ``phase`` field), in step order."""
 
+P2P_ROLES = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "recv_any_source": "recv"}
+"""Point-to-point collective funcs (the ``func`` field) and their side of a transfer."""
+
 ROOT = "<root>"
 """The module name of the root module (address ``""``)."""
 

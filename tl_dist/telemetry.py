@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .schema import DEVICE_PEAK_FLOPS, OUTSIDE, PHASES, bus_factor, module_name  # noqa: F401 (old paths)
+from .schema import DEVICE_PEAK_FLOPS, OUTSIDE, P2P_ROLES, PHASES, bus_factor, module_name  # noqa: F401 (old paths)
 from .step_facts import bus_bandwidth, window_facts
 from .trace import first_nonfinite, nonfinite_value
 
@@ -134,9 +134,11 @@ class StepTelemetry:
     first_nonfinite: dict[str, Any] | None  # label, index, func, kind, module, source, phase (stats only)
     idle_before_ns: int = 0  # window start -> first op (step_facts)
     idle_after_ns: int = 0  # last op end -> window end (step_facts)
-    # Per completed collective (not p2p): (group ranks, seq, issue_ns, complete_ns) -- what the straggler is
-    # computed from once the ranks' rows are gathered (the Lightning callback: tl/straggler_rank).
-    arrivals: tuple[tuple[tuple[int, ...], int, int, int], ...] = ()
+    # Per completed collective: (group ranks, seq, issue_ns, complete_ns, role) -- what the straggler is
+    # computed from once the ranks' rows are gathered (the Lightning callback: tl/straggler_rank). role is ""
+    # for a collective; "send" / "recv" for point-to-point, whose "group" is (src, dst) and seq the pair's
+    # n-th transfer in the window (as the merge pairs them).
+    arrivals: tuple[tuple[tuple[int, ...], int, int, int, str], ...] = ()
 
     def frame(self, table: str) -> pd.DataFrame:
         """One of ``modules``, ``funcs``, ``collectives``, ``norms``, ``nonfinite`` as a pandas DataFrame.
@@ -273,18 +275,25 @@ def summarize(trace: Trace, *, peak_flops: float | None = None) -> StepTelemetry
         first_nonfinite=first,
         idle_before_ns=facts["idle_before_ns"],
         idle_after_ns=facts["idle_after_ns"],
-        arrivals=_arrivals(trace.collective_table),
+        arrivals=_arrivals(trace.collective_table, int(meta.get("rank", 0))),
     )
 
 
-def _arrivals(table: dict[str, list]) -> tuple[tuple[tuple[int, ...], int, int, int], ...]:
-    return tuple(
-        (tuple(ranks), seq, issue, complete)
-        for ranks, seq, issue, complete, peer in zip(
-            table["group_ranks"], table["seq"], table["issue_ns"], table["complete_ns"], table["peer"]
-        )
-        if complete >= issue >= 0 and peer < 0
-    )
+def _arrivals(table: dict[str, list], rank: int) -> tuple[tuple[tuple[int, ...], int, int, int, str], ...]:
+    out = []
+    pairs: dict[tuple[int, int, str], int] = {}
+    columns = ("group_ranks", "seq", "issue_ns", "complete_ns", "peer", "func")
+    for ranks, seq, issue, complete, peer, func in zip(*(table[c] for c in columns)):
+        if not complete >= issue >= 0:
+            continue
+        role = P2P_ROLES.get(func, "") if peer >= 0 else ""
+        if not role:
+            out.append((tuple(ranks), seq, issue, complete, ""))
+            continue
+        pair = (rank, peer) if role == "send" else (peer, rank)
+        n = pairs[(*pair, role)] = pairs.get((*pair, role), 0) + 1
+        out.append((pair, n, issue, complete, role))
+    return tuple(out)
 
 
 def _accumulate(table: dict[Any, list[int]], key: Any, ops: int, dur: int, fl: int, nbytes: int) -> None:

@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .match import P2P_FUNCS, Joined
+from ..schema import P2P_ROLES
+from .match import Joined
 from .members import Members
 
 ALL_MEMBERS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
@@ -94,8 +95,8 @@ def dependency(j: Joined) -> tuple[str, int, int] | None:
     if j.verdict != "matched" or len(j.entries) < 2:
         return None
     if j.p2p:
-        senders = [r for r, e in j.entries.items() if P2P_FUNCS.get(e.func) == "send"]
-        receivers = [r for r, e in j.entries.items() if P2P_FUNCS.get(e.func) == "recv"]
+        senders = [r for r, e in j.entries.items() if P2P_ROLES.get(e.func) == "send"]
+        receivers = [r for r, e in j.entries.items() if P2P_ROLES.get(e.func) == "recv"]
         return ("p2p", senders[0], receivers[0]) if len(senders) == 1 and len(receivers) == 1 else None
     func = j.func
     if func in ALL_MEMBERS:

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any, NamedTuple
 
-from ..schema import module_name
+from ..schema import P2P_ROLES, module_name
 
-P2P_FUNCS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "recv_any_source": "recv"}
 VERDICTS = (
     "matched",
     "not_completed",
@@ -396,7 +395,7 @@ def match_step(
     for rank, lst in entries.items():
         name = group = bucket = None
         for e in lst:
-            kind = P2P_FUNCS.get(e.func)
+            kind = P2P_ROLES.get(e.func)
             if kind is not None:
                 src, dst = (rank, e.peer) if kind == "send" else (e.peer, rank)
                 p2p.setdefault((e.group_name, e.group, src, dst), {"send": [], "recv": []})[kind].append(e)

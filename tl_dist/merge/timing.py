@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from ..schema import P2P_ROLES
 from ..step_facts import FACTS, window_facts
 from .clocks import ClockSolution
-from .match import P2P_FUNCS, Joined
+from .match import Joined
 from .members import Members, grouped_union
 
 _MIN = np.iinfo(np.int64).min
@@ -125,10 +126,10 @@ def straggler_rows(step: int, joined: list[Joined], st: StepTiming) -> list[dict
         return []
     # A send/recv pair: only the receiver waits (for a late sender); a send posted before its receive is
     # buffered or completes when the receiver gets there, and nobody waited for that receiver.
-    sender = np.array([j.p2p and P2P_FUNCS.get(e.func) == "send" for j in joined for e in j.entries.values()])
+    sender = np.array([j.p2p and P2P_ROLES.get(e.func) == "send" for j in joined for e in j.entries.values()])
     last_all = st.last_rank.copy()
     for k, j in enumerate(joined):
-        if j.p2p and last_all[k] >= 0 and P2P_FUNCS.get(j.entries[int(last_all[k])].func) == "recv":
+        if j.p2p and last_all[k] >= 0 and P2P_ROLES.get(j.entries[int(last_all[k])].func) == "recv":
             last_all[k] = -1
     rows = eligible[m.coll]
     rank, end = m.rank[rows], (st.start + st.skew)[m.coll][rows]
