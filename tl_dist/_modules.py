@@ -26,10 +26,10 @@ from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._common import TAG, TORCH_DIR
-from ._phases import CHECKPOINT_FILE
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
 _LEAF_SPEC = tree_flatten(torch.empty(0))[1]
+_CHECKPOINT_FILE = TORCH_DIR + "utils/checkpoint.py"  # torch.utils.checkpoint, found on the Python stack
 # torch warns at a compiled module's call while global module hooks exist that they fire for its wrapper too;
 # the tracker's own hooks count the wrapper and the module it wraps as one call, so the warning (about hooks
 # the user never registered) is silenced while they are installed.
@@ -321,22 +321,33 @@ class ModuleTracker:
             frame = frame.f_back
         return None
 
-    def recompute_owner(self) -> tuple[str, tuple[str, ...]] | None:
-        """(address, address stack) for an op of checkpoint recomputation run outside every module call: the
-        checkpointed function is a module's method, not its ``__call__`` (transformers checkpoints
-        ``partial(forward, self)``; ``checkpoint(self._block, x)``), so no module hook fired. The owner is the
-        innermost module whose method runs between the op and ``torch.utils.checkpoint``, named as in its
-        forward call; None when there is none (a free function)."""
+    def recomputed(self) -> tuple[str, tuple[str, ...]] | None:
+        """Called for an op the engine runs with grad enabled: (address, address stack) when it is checkpoint
+        recomputation, None when it is not (a ``create_graph=True`` backward).
+
+        Recomputation runs inside a module call that started in the engine (``recompute_calls``: that call's
+        stack), or with ``torch.utils.checkpoint`` on the Python stack: a checkpointed function that is not a
+        module's ``__call__``. When it is a module's method (transformers checkpoints ``partial(forward, self)``;
+        ``checkpoint(self._block, x)``), no module hook fired: the owner is the innermost module whose method
+        runs between the op and ``torch.utils.checkpoint``, named as in its forward call; a free function's ops
+        keep the stack open at the time."""
+        if self.recompute_calls:
+            return self.current_address, self.address_stack
+        methods = []  # frames that may be a module's method, innermost first: looked into only under checkpoint
         frame = sys._getframe(2)
         while frame is not None:
             code = frame.f_code
-            if code.co_filename == CHECKPOINT_FILE:
-                return None
-            if code.co_argcount:  # a method's first argument, whatever its name
-                module = frame.f_locals.get(code.co_varnames[0])
-                forward = self._forward_calls.get(id(module)) if isinstance(module, torch.nn.Module) else None
-                if forward is not None and forward[0]:
-                    return forward[0][-1], forward[0]
+            if code.co_filename == _CHECKPOINT_FILE:
+                for method in methods:
+                    module = method.f_locals.get(method.f_code.co_varnames[0])  # whatever its name
+                    forward = (
+                        self._forward_calls.get(id(module)) if isinstance(module, torch.nn.Module) else None
+                    )
+                    if forward is not None and forward[0]:
+                        return forward[0][-1], forward[0]
+                return self.current_address, self.address_stack
+            if code.co_argcount:
+                methods.append(frame)
             frame = frame.f_back
         return None
 

@@ -11,7 +11,8 @@ runs a graph task); this module handles what that call cannot tell:
   ``forward``/``backward``.
 - The seed gradient ``loss.backward()`` creates (``ones_like`` in ``torch.autograd._make_grads``, and the
   ``detach`` that follows it) runs before the engine starts: it is ``backward``.
-- ``torch.utils.checkpoint`` recomputation runs forward code inside the engine with grad enabled: ``recompute``.
+- ``torch.utils.checkpoint`` recomputation runs forward code inside the engine with grad enabled: ``recompute``
+  (told apart from a ``create_graph=True`` backward, and given its module, by ``ModuleTracker.recomputed``).
 - The hooks are global; calls from other threads (an EMA model, an evaluator) are ignored.
 """
 
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ._common import TORCH_DIR
 from .schema import PHASES  # noqa: F401 (old path)
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ SPECIAL = frozenset(
     }
 )
 _SEED_MAKER = torch.autograd._make_grads.__code__
-CHECKPOINT_FILE = TORCH_DIR + "utils/checkpoint.py"  # torch.utils.checkpoint, found on the Python stack
 _current_node = torch._C._current_autograd_node
 _get_ident = threading.get_ident
 
@@ -112,20 +111,6 @@ class PhaseTracker:
             return "optimizer"
         self._regions.append(None)
         return phase
-
-
-def in_recompute(recompute_calls: int) -> bool:
-    """Called for an op the engine runs with grad enabled: is it checkpoint recomputation (rather than a
-    ``create_graph=True`` backward)? Yes inside a module call that started in the engine (``recompute_calls``),
-    or when ``torch.utils.checkpoint`` is on the Python stack (a checkpointed function that is not a module)."""
-    if recompute_calls:
-        return True
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename == CHECKPOINT_FILE:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def accumulating_param() -> torch.Tensor | None:

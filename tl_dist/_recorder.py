@@ -36,7 +36,7 @@ from ._common import clone_strided as _clone_strided
 from ._modules import ModuleTracker, hidden_from_dynamo
 from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
 from ._phases import SPECIAL as _SPECIAL_PHASE
-from ._phases import PhaseTracker, accumulating_param, in_recompute
+from ._phases import PhaseTracker, accumulating_param
 from ._source import SourceLocator
 from .collectives import CollectiveLog
 from .errors import TlDistError
@@ -310,12 +310,10 @@ class Recorder:
                 source = self.step_source
             else:
                 source = self.locate()
-        elif _grad_enabled() and in_recompute(modules.recompute_calls):
+        elif _grad_enabled() and (recomputed := modules.recomputed()) is not None:
             # Checkpoint recomputation: forward code run again by the engine; its module is the forward call's.
-            phase, fwd_op = "recompute", -1
-            address, stack, call = modules.current_address, modules.address_stack, -1
-            if not modules.recompute_calls and (owner := modules.recompute_owner()) is not None:
-                address, stack = owner
+            phase, fwd_op, call = "recompute", -1, -1
+            address, stack = recomputed
             source = self.locate() if self.locate is not None else ""
         else:
             phase, fwd_op, call = "backward", backward_link(token), -1
