@@ -184,9 +184,11 @@ def user_stacklevel() -> int:
 
 
 def has_its_bytes(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage still holds the bytes ``t`` reads. FSDP frees an unsharded parameter after use by
-    resizing its storage to 0 bytes, which leaves every view of it saved earlier pointing at no memory (reading
-    one crashes the process). True for tensors without a storage of their own (sparse, nested, subclasses)."""
+    """Whether ``t``'s storage (a wrapper subclass's: its :func:`local_tensor`'s) still holds the bytes ``t``
+    reads. FSDP frees an unsharded parameter after use by resizing its storage to 0 bytes, which leaves every
+    view of it saved earlier pointing at no memory (reading one crashes the process). True for tensors without
+    one storage (sparse, nested)."""
+    t = local_tensor(t)
     try:
         nbytes = t.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):
@@ -195,6 +197,11 @@ def has_its_bytes(t: torch.Tensor) -> bool:
 
 
 _Parameter = torch.nn.Parameter
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    # The type checks first: plain tensors and parameters, nearly every tensor, skip torch's protocol test.
+    return type(t) is not torch.Tensor and type(t) is not _Parameter and is_traceable_wrapper_subclass(t)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -207,7 +214,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     Example:
         >>> local_tensor(dtensor).shape  # this rank's shard
     """
-    while type(t) is not torch.Tensor and type(t) is not _Parameter and is_traceable_wrapper_subclass(t):
+    while _is_wrapper(t):
         attrs, _ = t.__tensor_flatten__()
         t = getattr(t, attrs[0])
     return t
@@ -221,7 +228,7 @@ def map_local(t: torch.Tensor, fn: Any) -> torch.Tensor:
     Example:
         >>> map_local(dtensor, torch.Tensor.clone)  # a DTensor over a copy of the local shard
     """
-    if type(t) is torch.Tensor or type(t) is _Parameter or not is_traceable_wrapper_subclass(t):
+    if not _is_wrapper(t):
         return fn(t)
     attrs, ctx = t.__tensor_flatten__()
     inner = {a: map_local(v, fn) if isinstance(v := getattr(t, a), torch.Tensor) else v for a in attrs}

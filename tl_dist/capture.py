@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from . import _session
-from ._common import TAG, has_its_bytes, local_tensor, map_local, storage_key, user_stacklevel
+from ._common import TAG, has_its_bytes, map_local, storage_key, user_stacklevel
 from ._intervene import Interventions
 from ._recorder import ACTIVE, CaptureMode, Recorder
 from .compiled import RegionHook, watch_compiles
@@ -331,7 +331,7 @@ def _drop_freed(saved: dict[int, list], grads: dict[int, list], labels: list[str
         for kept in (saved, grads):
             for index, outs in kept.items():
                 for pos, t in enumerate(outs):
-                    if t is not None and not has_its_bytes(local_tensor(t)):
+                    if t is not None and not has_its_bytes(t):
                         outs[pos] = None
                         lost.append(labels[index])
     if lost:

@@ -463,7 +463,7 @@ def _stat_rows(trace: Trace) -> tuple[tuple[NormRow, ...], tuple[NonfiniteRow, .
         return (), ()
     cols = trace.columns
     bad: dict[tuple[str, str], int] = {}
-    for op, of, k in zip(table["op"], table["of"], range(len(table["op"]))):
+    for k, (op, of) in enumerate(zip(table["op"], table["of"])):
         if nonfinite_value(of, cols["phase"][op], table["nan"][k], table["inf"][k]):
             module = cols["module"][op] if cols["module_stack"][op] else OUTSIDE
             bad[(module, of)] = bad.get((module, of), 0) + 1

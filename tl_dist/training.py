@@ -324,7 +324,7 @@ class TrainingState:
         if entry is None or (reader and not entry[1]):
             return
         del self.in_flight[index]
-        outs = [o for o in entry[0] if has_its_bytes(local_tensor(o))]  # FSDP frees gathered buffers
+        outs = [o for o in entry[0] if has_its_bytes(o)]  # FSDP frees gathered buffers
         self._first_float_stats(index, outs, self.rec.n_ops)
 
     def module_out_stats(self, index: int, leaf: Tensor) -> None:
