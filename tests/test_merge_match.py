@@ -685,3 +685,19 @@ def test_a_finding_in_a_subgroup_over_every_rank_names_the_process_group(tmp_pat
         )
     )
     assert "of group [0, 1] at" in f.message  # one group with those members: no name needed
+
+
+def test_a_ranks_last_op_is_its_last_real_op_named_by_its_own_module():
+    import torch
+
+    from tl_dist.merge.sources import Interner, trace_rank
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            return x * 2  # an op of the root module itself
+
+    with tl.capture() as cap, torch.profiler.record_function("step"):  # markers outside every module
+        Net()(torch.ones(2))
+    assert cap.trace.columns["func"][-1] == "_record_function_exit"
+    last = trace_rank(cap.trace, Interner(), (0, 0)).last_op
+    assert (last["label"], last["module"]) == ("mul_1", "<root>")

@@ -353,7 +353,7 @@ def rank_data(tables: _Tables, metadata: dict, failed_op: Any, names: Interner, 
         data.last_op = {
             "op": last_i,
             "label": names.strings[int(ids(ops, op_cat, "label", last)[0])],
-            "module": module_name({"module": module, "module_stack": bool(in_module[-1])}),
+            "module": module_name({"module": module, "module_stack": bool(in_module[last_i])}),
             "source": names.strings[int(ids(ops, op_cat, "source", last)[0])],
         }
     if failed_op:
