@@ -49,12 +49,10 @@ def _flat(outs: list | None) -> torch.Tensor | None:
     for t in outs or ():
         if t is None:
             continue
-        t = t.detach()
+        t = local_tensor(t).detach()  # a DTensor: its shard on this rank
         if t.is_complex():
             t = torch.view_as_real(t)
-        parts.append(
-            local_tensor(t).reshape(-1).to(device="cpu", dtype=torch.float64)
-        )  # a DTensor: its shard
+        parts.append(t.reshape(-1).to(device="cpu", dtype=torch.float64))
     return torch.cat(parts) if parts else None
 
 

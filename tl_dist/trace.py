@@ -219,7 +219,7 @@ def _recorded_grads(trace: Trace) -> dict[int, list]:
 
 def _saved_leaf(saved: Any, ref: dict) -> torch.Tensor | None:
     """The output leaf op ``ref["op"]`` produced: its saved output, None when it was not saved."""
-    outs = saved.get(ref["op"]) if ref["op"] in saved else None
+    outs = saved.get(ref["op"])
     return None if outs is None else outs[ref["pos"]]
 
 
@@ -257,9 +257,8 @@ class Trace:
         self.output_of = output_of or {}
         self.out_trees = out_trees or {}
         self._output = output
-        self._output_leaves: tuple[Any, list] | None = (
-            None  # a loaded shard's (spec, leaves), resolved on use
-        )
+        # A loaded shard's output as (spec, leaves), resolved on first use of `output`.
+        self._output_leaves: tuple[Any, list] | None = None
         # Output leaf -> (op, output position) that produced it (tl.trace): a shard refers to the saved output.
         self.output_refs: dict[int, tuple[int, int]] = {}
         self.metadata = metadata or {}

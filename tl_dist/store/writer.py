@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
-from .._common import is_dense, local_tensor
+from .._common import is_dense, local_tensor, user_stacklevel
 from .._files import replacing
 from ..schema import (
     COLLECTIVE_FIELDS,
@@ -122,7 +122,7 @@ def _warn_left_out(path: Path, name: str, left_out: list[str]) -> None:
             f"{path}: {len(left_out)} {name} tensor(s) not written, sparse, nested or meta (a shard holds dense "
             f"values only): {', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}; they load as None",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 
