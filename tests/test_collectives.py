@@ -12,7 +12,7 @@ from torch import nn
 
 import tl_dist as tl
 from tl_dist._opinfo import op_info
-from tl_dist.collectives import _SPECS
+from tl_dist.comm_ops import _SPECS
 from tl_dist.schema import COLLECTIVE_FIELDS
 
 
@@ -368,7 +368,7 @@ def test_undescribable_collective_warns_and_keeps_its_op_row():
     # A collective call tl_dist cannot describe (here: its process group is not one) must not break the
     # user's step: its op row stays, it gets no collective row, and one warning names it.
     from tl_dist._recorder import Recorder
-    from tl_dist.collectives import comm_op
+    from tl_dist.comm_ops import comm_op
 
     rec = Recorder(save=None, keep_graph=False, source=False, roots=[], save_grads=None, stats=None)
     comm = comm_op(torch.ops.c10d.allreduce_.default)

@@ -9,7 +9,7 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-from .collectives import comm_op
+from .comm_ops import comm_op
 
 _aten = torch.ops.aten
 # Formulas torch's registry lacks for ops that run on CPU, reusing torch's own shape formulas: CPU
