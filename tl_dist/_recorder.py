@@ -33,6 +33,7 @@ from ._common import (
 from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import TAG as _TAG
 from ._common import clone_strided as _clone_strided
+from ._fastpath import compiled_dispatch
 from ._modules import ModuleTracker, hidden_from_dynamo
 from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
 from ._phases import SPECIAL as _SPECIAL_PHASE
@@ -65,6 +66,9 @@ class CaptureMode(TorchDispatchMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self._on_op = recorder.on_op
+        dispatch = compiled_dispatch(recorder, self)
+        if dispatch is not None:  # torch calls an instance's own __torch_dispatch__ before the class's
+            self.__torch_dispatch__ = dispatch
         # Marked again at every window: torch._dynamo.reset() may drop what was set on the code objects.
         hidden_from_dynamo(CaptureMode.__torch_dispatch__, SubclassMode.__torch_dispatch__)
 

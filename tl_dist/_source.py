@@ -82,6 +82,15 @@ class SourceLocator:
         """Source of the op being dispatched (called from Recorder.on_op)."""
         return self._walk(sys._getframe(2), self._modules.current_source)
 
+    def from_compiled(self) -> str:
+        """Source of the op being dispatched, called from the compiled per-op path (``_fastop.c``): it has no
+        Python frames of its own, so the dispatching code is the caller's caller."""
+        try:
+            frame = sys._getframe(1)
+        except ValueError:  # no Python frame under the op at all (an autograd engine thread)
+            return ""
+        return self._walk(frame, self._modules.current_source)
+
     def caller(self, depth: int) -> str:
         """Source of the user code ``depth`` frames above the caller (an optimizer step hook: its step call)."""
         return self._walk(sys._getframe(depth + 1), self._modules.current_source)

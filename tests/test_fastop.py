@@ -1,0 +1,195 @@
+"""The compiled per-op path (tl_dist/_fastop.c) records exactly what ``Recorder.on_op`` records.
+
+Each workload runs twice from the same seed, once with every op in Python (``TL_DIST_PURE_PYTHON=1``) and
+once with the compiled path, and every column of the op table but the clock readings must be equal: labels,
+kinds, phases, modules, backward links, shapes, dtypes, bytes, parents, FLOPs, sources, parameters. The
+module table and a failing op's record must be equal too.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from zoo import ZOO
+
+import tl_dist as tl
+from tl_dist import _fastpath
+
+pytestmark = pytest.mark.skipif(
+    _fastpath._fastop is None, reason="tl_dist._fastop is not built (no C compiler when tl_dist was installed)"
+)
+CLOCKS = ("start_ns", "duration_ns")
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch, pure: bool, run, **options) -> tl.Trace:  # noqa: ANN001
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1" if pure else "0")
+    torch.manual_seed(0)
+    state = run()  # builds the model: same seed, same weights
+    with tl.capture(**options) as cap:
+        compiled = type(cap._mode.__dict__.get("__torch_dispatch__")).__name__ == "FastOp"
+        state()
+    assert compiled is not pure, "the window did not take the path the test asked for"
+    return cap.trace
+
+
+def _assert_same(monkeypatch: pytest.MonkeyPatch, run, **options) -> tl.Trace:  # noqa: ANN001
+    pure = _capture(monkeypatch, True, run, **options)
+    fast = _capture(monkeypatch, False, run, **options)
+    assert len(fast) == len(pure) > 0
+    for name, column in pure.columns.items():
+        if name not in CLOCKS:
+            assert fast.columns[name] == column, f"column {name!r} differs"
+    assert all(d >= 0 for d in fast.columns["duration_ns"])
+    starts = fast.columns["start_ns"]
+    assert starts == sorted(starts), "ops are timed in the order they ran"
+    assert fast.module_table == pure.module_table
+    return fast
+
+
+def _training_step(model_fn, x_fn, *, foreach: bool):  # noqa: ANN001, ANN202
+    def build():  # noqa: ANN202
+        model, x = model_fn(), x_fn()
+        # foreach: _foreach_add_ returns nothing, so the parameters it writes keep no tag of it, and the next
+        # forward finds that write through the written-memory log.
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=foreach)
+
+        def steps() -> None:  # two: the second reads parameters the first's optimizer wrote in place
+            for _ in range(2):
+                loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+        return steps
+
+    return build
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+@pytest.mark.parametrize(
+    "name, model_fn, x_fn",
+    [
+        (
+            "transformer",
+            lambda: nn.TransformerEncoder(
+                nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2, enable_nested_tensor=False
+            ),
+            lambda: torch.randn(2, 8, 32),
+        ),
+        # In-place BatchNorm statistics and ReLU: inputs whose memory was written since they were made.
+        ("resnet_block", lambda: ZOO[0].build()[0].train(), lambda: torch.randn(2, 3, 8, 8)),
+        # The LSTM's ops return several outputs (output, h, c and the workspace).
+        ("lstm", lambda: _First(nn.LSTM(6, 5, num_layers=2)), lambda: torch.randn(4, 2, 6)),
+    ],
+)
+def test_training_step_rows_match(monkeypatch: pytest.MonkeyPatch, name: str, model_fn, x_fn, foreach: bool) -> None:  # noqa: ANN001
+    trace = _assert_same(monkeypatch, _training_step(model_fn, x_fn, foreach=foreach))
+    phases = set(trace.columns["phase"])
+    assert {"forward", "backward", "optimizer"} <= phases
+    # Backward ops name the module of the forward op they differentiate, not '' (the engine's thread state).
+    backward = [i for i, p in enumerate(trace.columns["phase"]) if p == "backward"]
+    assert any(trace.columns["fwd_op"][i] >= 0 for i in backward)
+
+
+class _First(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[0]
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_zoo_forward_rows_match(monkeypatch: pytest.MonkeyPatch, entry, grad: bool) -> None:  # noqa: ANN001
+    def build():  # noqa: ANN202
+        model, args, kwargs = entry.build()
+
+        def forward() -> None:
+            with torch.set_grad_enabled(grad):
+                model(*args, **kwargs)
+
+        return forward
+
+    _assert_same(monkeypatch, build)
+    _assert_same(monkeypatch, build, source=False)
+
+
+def test_checkpoint_recompute_rows_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    def build():  # noqa: ANN202
+        block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        x = torch.randn(3, 8, requires_grad=True)
+
+        def step() -> None:
+            checkpoint(block, x, use_reentrant=False).sum().backward()
+
+        return step
+
+    trace = _assert_same(monkeypatch, build)
+    assert "recompute" in trace.columns["phase"]
+
+
+def test_factory_kwargs_and_multi_output_ops_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    def build():  # noqa: ANN202
+        def run() -> None:
+            a = torch.arange(12.0).reshape(3, 4)  # factory ops: no tensor input
+            values, indices = a.max(dim=1)  # two outputs of one op
+            parts = a.split(2, dim=1)  # a list of outputs
+            torch.add(parts[0], parts[1], alpha=2)  # a keyword argument
+            torch.where(values > 3, values, indices.float())
+            a.sum().item()  # an op with no tensor out (_local_scalar_dense)
+            y = a * 1
+            v = y.view(-1)
+            y.relu_()  # written in place after v was made: v's value now comes from relu_
+            v * 2
+
+        return run
+
+    trace = _assert_same(monkeypatch, build)
+    assert "factory" in trace.columns["kind"]
+    relu, last = trace.labels["relu__1"], len(trace) - 1
+    assert trace.columns["parents"][last] == (relu - 1, relu)  # the view, and the write into its memory
+
+
+def test_failing_op_is_recorded_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    failures = []
+    for pure in (True, False):
+        monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1" if pure else "0")
+        a, b = torch.randn(2, 3), torch.randn(4, 5)
+        with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as info:
+            with tl.capture():
+                torch.relu(a)
+                a @ b
+        failures.append(info.value.tl_trace.failed_op)
+    assert failures[0] == failures[1]
+    assert failures[1]["func"] == "mm" and failures[1]["index"] == 1
+
+
+def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
+    model = nn.Linear(4, 4)
+    gc.collect()
+    gc.disable()
+    try:
+        with tl.capture() as cap:
+            model(torch.randn(2, 4)).sum().backward()
+        mode = weakref.ref(cap._mode)
+        recorder = weakref.ref(cap._recorder)
+        del cap
+        assert mode() is None and recorder() is None
+    finally:
+        gc.enable()
+
+
+def test_windows_that_need_python_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
+    for options in ({"save": True}, {"stats": True}):
+        with tl.capture(**options) as cap:
+            torch.randn(2).relu()
+        assert "__torch_dispatch__" not in cap._mode.__dict__, options
