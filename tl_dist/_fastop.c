@@ -44,7 +44,7 @@ typedef struct {
     PyObject *rows, *label_counts, *params, *writes, *backward_sources, *token;
     PyObject *modules, *training;
     PyObject *link_pending, *written_since, *record_failure, *phase_special, *recomputed, *owner_of;
-    PyObject *locate;           /* rec.locate.from_compiled, or None when the window records no sources */
+    PyObject *locate;           /* rec.locate: the user's file:line of an op, or None when not recorded */
     PyObject *mode;             /* weak reference to the mode this is the __torch_dispatch__ of */
 } FastOp;
 
@@ -815,11 +815,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->phase_special = PyObject_GetAttrString(phases, "special");
     self->recomputed = PyObject_GetAttrString(modules, "recomputed");
     self->owner_of = PyObject_GetAttrString(modules, "owner_of");
-    PyObject *locator = PyObject_GetAttrString(rec, "locate");
-    if (locator != NULL) {
-        self->locate = locator == Py_None ? Py_NewRef(Py_None) : PyObject_GetAttrString(locator, "from_compiled");
-        Py_DECREF(locator);
-    }
+    self->locate = PyObject_GetAttrString(rec, "locate");
     Py_DECREF(phases);
     if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
         !self->backward_sources || !self->token || !self->written_since || !self->record_failure ||

@@ -334,7 +334,9 @@ class ModuleTracker:
         if self.recompute_calls:
             return self.current_address, self.address_stack
         methods = []  # frames that may be a module's method, innermost first: looked into only under checkpoint
-        frame = sys._getframe(2)
+        # From the caller: Recorder.on_op (not a module's method), or the op's own caller when the compiled
+        # per-op path asks, which has no Python frame.
+        frame = sys._getframe(1)
         while frame is not None:
             code = frame.f_code
             if code.co_filename == _CHECKPOINT_FILE:

@@ -79,12 +79,8 @@ class SourceLocator:
         return ""
 
     def __call__(self) -> str:
-        """Source of the op being dispatched (called from Recorder.on_op)."""
-        return self._walk(sys._getframe(2), self._modules.current_source)
-
-    def from_compiled(self) -> str:
-        """Source of the op being dispatched, called from the compiled per-op path (``_fastop.c``): it has no
-        Python frames of its own, so the dispatching code is the caller's caller."""
+        """Source of the op being dispatched (called from Recorder.on_op, or from the compiled per-op path,
+        which has no Python frame of its own: the walk starts at the caller and skips tl_dist's frames)."""
         try:
             frame = sys._getframe(1)
         except ValueError:  # no Python frame under the op at all (an autograd engine thread)
