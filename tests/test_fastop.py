@@ -21,7 +21,8 @@ import tl_dist as tl
 from tl_dist import _fastpath
 
 pytestmark = pytest.mark.skipif(
-    _fastpath._fastop is None, reason="tl_dist._fastop is not built (no C compiler when tl_dist was installed)"
+    _fastpath._fastop is None,
+    reason="tl_dist._fastop is not built (no C compiler when tl_dist was installed)",
 )
 CLOCKS = ("start_ns", "duration_ns")
 
@@ -87,7 +88,9 @@ def _training_step(model_fn, x_fn, *, foreach: bool):  # noqa: ANN001, ANN202
         ("lstm", lambda: _First(nn.LSTM(6, 5, num_layers=2)), lambda: torch.randn(4, 2, 6)),
     ],
 )
-def test_training_step_rows_match(monkeypatch: pytest.MonkeyPatch, name: str, model_fn, x_fn, foreach: bool) -> None:  # noqa: ANN001
+def test_training_step_rows_match(
+    monkeypatch: pytest.MonkeyPatch, name: str, model_fn, x_fn, foreach: bool
+) -> None:  # noqa: ANN001
     trace = _assert_same(monkeypatch, _training_step(model_fn, x_fn, foreach=foreach))
     phases = set(trace.columns["phase"])
     assert {"forward", "backward", "optimizer"} <= phases

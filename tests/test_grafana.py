@@ -340,7 +340,7 @@ def test_the_wheel_carries_the_grafana_files_and_builds_without_warnings(tmp_pat
     src = tmp_path / "src"
     for folder in ("tl_dist", "exporters", "integrations"):
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
     cmd += ["--disable-pip-version-check"]
@@ -354,6 +354,8 @@ def test_the_wheel_carries_the_grafana_files_and_builds_without_warnings(tmp_pat
     grafana = {str(p.relative_to(ROOT / "exporters")) for p in GRAFANA.rglob("*") if p.is_file()}
     assert len(grafana) == 3  # the dashboard and its two provisioning files
     assert {f"tl_dist/exporters/{p}" for p in grafana} <= names
+    # The compiled per-op path is built into the wheel when a C compiler is there (it is here).
+    assert any(n.startswith("tl_dist/_fastop.") and n.endswith((".so", ".pyd")) for n in names), sorted(names)
 
 
 # -- a real Prometheus evaluates every query --------------------------------------------------------------

@@ -3,8 +3,9 @@
  * Every ATen op of a captured step passes through the recorder; in Python its per-op work (tags, shapes,
  * dtype, phase, module, the row) costs ~48,000 instructions, a third of them bytecode evaluation, spread too
  * thin for any one Python change to matter (docs/telemetry.md, "Cost"). This file does the same work for
- * the ops a metadata + timing window sees most: no tensor subclass, no collective, no in-place write, no
- * tensor list, no intervention, CPU tensors or a view, outputs not saved, no statistics.
+ * the ops a metadata + timing window sees most: no tensor subclass, no collective, no tensor list, no
+ * intervention, CPU tensors or a view, outputs not saved, no statistics. In-place writes are noted by the
+ * recorder's own Python helpers.
  * Anything else returns to Recorder.on_op, which stays the reference: tests/test_fastop.py checks that
  * both build the same rows.
  *
@@ -22,18 +23,20 @@ static PyObject *g_entries;      /* id(func) -> entry tuple, or None for an op t
 static PyObject *g_make_entry;   /* func -> entry tuple or None */
 static PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 static PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
-static PyObject *g_graph_task_id, *g_grad_enabled, *g_backward_link, *g_accumulating_param;
-static PyObject *g_perf_counter_ns;
+static PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
+static PyObject *g_perf_counter_ns, *g_current_node, *g_mutated_tensors;
+static PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 static PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 
 /* Interned names. */
 static PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_grad_fn, *s_metadata,
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current_address,
     *s_address_stack, *s_current_call, *s_cpu, *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
-    *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer;
+    *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
+    *s_data_ptr;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
-enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_SIZE };
+enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SIZE };
 
 #define N_FIELDS 22
 
@@ -46,6 +49,9 @@ typedef struct {
     PyObject *link_pending, *written_since, *record_failure, *phase_special, *recomputed, *owner_of;
     PyObject *locate;           /* rec.locate: the user's file:line of an op, or None when not recorded */
     PyObject *mode;             /* weak reference to the mode this is the __torch_dispatch__ of */
+    PyObject *storage_refs;     /* rec._storage_refs: saved tensors to copy before a write (saving windows) */
+    PyObject *note_writes, *with_written_bases;
+    int hooks_on;               /* training.hooks_on: gradient hooks on each output's node (fixed per window) */
 } FastOp;
 
 static int
@@ -74,9 +80,8 @@ now_ns(void)
 static int
 is_tensor(PyObject *o)
 {
-    if (Py_IS_TYPE(o, (PyTypeObject *)g_tensor_type))
-        return 1;
-    return PyObject_IsInstance(o, g_tensor_type);
+    /* isinstance(o, torch.Tensor): torch's metaclass does not override the check, so a subtype test is it. */
+    return PyObject_TypeCheck(o, (PyTypeObject *)g_tensor_type);
 }
 
 /* The entry of func: a tuple, Py_None (slow path), or NULL with an error set. Borrowed. */
@@ -111,13 +116,7 @@ entry_of(PyObject *func)
 static int
 link_pending(FastOp *self, PyObject *pending)
 {
-    PyObject *hooks_on = PyObject_GetAttr(self->training, s_hooks_on);
-    if (hooks_on == NULL)
-        return -1;
-    int hooks = PyObject_IsTrue(hooks_on);
-    Py_DECREF(hooks_on);
-    if (hooks < 0)
-        return -1;
+    int hooks = self->hooks_on;
     PyObject *outs = PyTuple_Check(pending) && PyTuple_GET_SIZE(pending) == 2 ? PyTuple_GET_ITEM(pending, 1) : NULL;
     if (hooks || outs == NULL || !PyList_Check(outs) || PyList_GET_SIZE(outs) != 1) {
         PyObject *r = PyObject_CallNoArgs(self->link_pending);
@@ -176,10 +175,40 @@ add_parent(PyObject *parents, PyObject *op)
     return PyList_Append(parents, op);
 }
 
-/* Adds to parents the latest in-place write into t's memory after op `since`, as Recorder.on_op does. */
+/* storage_key(t): the address of t's storage, or NULL with no error when it has none to write (sparse, an
+ * empty storage, a wrapper subclass); NULL with an error set for anything else. */
+static PyObject *
+storage_key(PyObject *t)
+{
+    PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
+    PyObject *key = NULL;
+    if (storage != NULL) {
+        PyObject *nbytes = PyObject_CallMethodNoArgs(storage, s_nbytes);
+        int empty = nbytes == NULL ? -1 : !PyObject_IsTrue(nbytes);
+        Py_XDECREF(nbytes);
+        if (empty == 0)
+            key = PyObject_CallMethodNoArgs(storage, s_data_ptr);
+        Py_DECREF(storage);
+        if (empty == 1)
+            return NULL;
+    }
+    if (key == NULL && (PyErr_ExceptionMatches(PyExc_NotImplementedError) || PyErr_ExceptionMatches(PyExc_RuntimeError)))
+        PyErr_Clear();
+    return key;
+}
+
+/* Adds to parents the latest in-place write into t's memory after op `since`, as Recorder.on_op does. Most
+ * inputs' memory was never written in the window: that is checked here, Recorder._written_since does the rest. */
 static int
 add_writer(FastOp *self, PyObject *parents, PyObject *t, PyObject *since)
 {
+    PyObject *key = storage_key(t);
+    if (key == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    int written = PyDict_Contains(self->writes, key);
+    Py_DECREF(key);
+    if (written <= 0)
+        return written;
     PyObject *writer = PyObject_CallFunctionObjArgs(self->written_since, t, since, NULL);
     if (writer == NULL)
         return -1;
@@ -187,6 +216,57 @@ add_writer(FastOp *self, PyObject *parents, PyObject *t, PyObject *since)
     int rc = (w == -1 && PyErr_Occurred()) ? -1 : (w >= 0 ? add_parent(parents, writer) : 0);
     Py_DECREF(writer);
     return rc;
+}
+
+/* The label of the n-th call of a func in a window, the same string object in every window. */
+static PyObject *
+label_of(PyObject *name, long n)
+{
+    PyObject *labels = PyDict_GetItemWithError(g_labels, name);
+    if (labels == NULL) {
+        if (PyErr_Occurred() || (labels = PyList_New(0)) == NULL)
+            return NULL;
+        int rc = PyDict_SetItem(g_labels, name, labels);
+        Py_DECREF(labels); /* the dict holds it */
+        if (rc < 0)
+            return NULL;
+    }
+    while (PyList_GET_SIZE(labels) < n) {
+        PyObject *label = PyUnicode_FromFormat("%U_%zd", name, PyList_GET_SIZE(labels) + 1);
+        int rc = label == NULL ? -1 : PyList_Append(labels, label);
+        Py_XDECREF(label);
+        if (rc < 0)
+            return NULL;
+    }
+    return Py_NewRef(PyList_GET_ITEM(labels, n - 1));
+}
+
+/* training.backward_link: the forward op whose autograd node is running now, -1 when unknown. */
+static PyObject *
+backward_link(PyObject *token)
+{
+    PyObject *node = PyObject_CallNoArgs(g_current_node);
+    if (node == NULL)
+        return NULL;
+    long fwd = -1;
+    if (node != Py_None) {
+        PyObject *meta = PyObject_GetAttr(node, s_metadata);
+        if (meta == NULL) {
+            Py_DECREF(node);
+            return NULL;
+        }
+        PyObject *link = PyDict_Check(meta) ? Py_XNewRef(PyDict_GetItemWithError(meta, g_tag)) : NULL;
+        Py_DECREF(meta);
+        if (link == NULL && PyErr_Occurred()) {
+            Py_DECREF(node);
+            return NULL;
+        }
+        if (link != NULL && PyTuple_Check(link) && PyTuple_GET_SIZE(link) >= 2 && PyTuple_GET_ITEM(link, 0) == token)
+            fwd = PyLong_AsLong(PyTuple_GET_ITEM(link, 1));
+        Py_XDECREF(link);
+    }
+    Py_DECREF(node);
+    return fwd == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(fwd);
 }
 
 static PyObject *
@@ -324,7 +404,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     PyObject *outs = NULL, *index = NULL, *label = NULL, *dtype = NULL, *device = NULL, *link = NULL;
     PyObject *in_shapes = NULL, *out_shapes = NULL, *flops = NULL, *phase = NULL, *fwd_op = NULL;
     PyObject *address = NULL, *stack = NULL, *call = NULL, *source = NULL, *row = NULL, *task = NULL;
-    PyObject *count = NULL, *pending = NULL, *owner = NULL, *last_write = NULL;
+    PyObject *count = NULL, *pending = NULL, *owner = NULL, *last_write = NULL, *written = NULL;
     long long out_bytes = 0;
     int slow = 0;
 
@@ -385,6 +465,21 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             slow = cuda > 0;
             goto cleanup;
         }
+    }
+
+    int mutates = PyTuple_GET_ITEM(entry, E_MUTATES) == Py_True;
+    if (mutates) {
+        if (PyDict_GET_SIZE(self->storage_refs) > 0) { /* saved tensors to copy first: Recorder._before_write */
+            slow = 1;
+            goto cleanup;
+        }
+        PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+        written = kw == NULL ? NULL
+                             : PyObject_CallFunctionObjArgs(g_mutated_tensors, PyTuple_GET_ITEM(entry, E_INFO), args,
+                                                            kw, NULL);
+        Py_XDECREF(kw);
+        if (written == NULL)
+            goto cleanup;
     }
 
     pending = PyObject_GetAttr(self->rec, s_pending);
@@ -491,6 +586,23 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             goto cleanup;
     }
 
+    if (mutates) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->note_writes, index, written, NULL);
+        if (r == NULL)
+            goto cleanup;
+        Py_DECREF(r);
+        if (PyList_GET_SIZE(outs) > 0) { /* a write into a view changes its base: an extra output */
+            PyObject *with_bases = PyObject_CallFunctionObjArgs(self->with_written_bases, written, outs, NULL);
+            if (with_bases == NULL)
+                goto cleanup;
+            Py_SETREF(outs, with_bases);
+            if (!PyList_Check(outs)) {
+                PyErr_SetString(PyExc_TypeError, "tl_dist: _with_written_bases must return a list");
+                goto cleanup;
+            }
+        }
+    }
+
     /* Label: func_<n>, numbered per func in the window. */
     PyObject *name = PyTuple_GET_ITEM(entry, E_NAME);
     PyObject *seen = PyDict_GetItemWithError(self->label_counts, name);
@@ -504,7 +616,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     count = PyLong_FromLong(n);
     if (count == NULL || PyDict_SetItem(self->label_counts, name, count) < 0)
         goto cleanup;
-    label = PyUnicode_FromFormat("%U_%ld", name, n);
+    label = label_of(name, n);
     if (label == NULL)
         goto cleanup;
 
@@ -640,7 +752,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         } else {
             Py_XDECREF(recomputed);
             phase = Py_NewRef(s_backward);
-            fwd_op = PyObject_CallOneArg(g_backward_link, token);
+            fwd_op = backward_link(token);
             call = PyLong_FromLong(-1);
             if (fwd_op == NULL || call == NULL)
                 goto cleanup;
@@ -709,7 +821,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         Py_NewRef(index), Py_NewRef(label), Py_NewRef(name), Py_NewRef(PyTuple_GET_ITEM(entry, E_ATEN)),
         Py_NewRef(row_kind), Py_NewRef(phase), Py_NewRef(fwd_op), Py_NewRef(address), Py_NewRef(stack),
         Py_NewRef(call), Py_NewRef(out_shapes), Py_NewRef(dtype), Py_NewRef(device), bytes,
-        Py_NewRef(in_shapes), parents_tuple, Py_NewRef(Py_False), Py_NewRef(flops), Py_NewRef(t0), duration,
+        Py_NewRef(in_shapes), parents_tuple, Py_NewRef(mutates ? Py_True : Py_False), Py_NewRef(flops), Py_NewRef(t0), duration,
         Py_NewRef(source), params_tuple,
     };
     for (int i = 0; i < N_FIELDS; i++)
@@ -766,6 +878,7 @@ cleanup:
     Py_XDECREF(pending);
     Py_XDECREF(owner);
     Py_XDECREF(last_write);
+    Py_XDECREF(written);
     if (slow && !PyErr_Occurred())
         result = call_slow(self, func, args, kwargs, 0);
     Py_XDECREF(empty_args);
@@ -816,14 +929,22 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->recomputed = PyObject_GetAttrString(modules, "recomputed");
     self->owner_of = PyObject_GetAttrString(modules, "owner_of");
     self->locate = PyObject_GetAttrString(rec, "locate");
+    self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
+    self->note_writes = PyObject_GetAttrString(rec, "_note_writes");
+    self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
+    PyObject *hooks_on = PyObject_GetAttrString(training, "hooks_on");
+    self->hooks_on = hooks_on == NULL ? -1 : PyObject_IsTrue(hooks_on);
+    Py_XDECREF(hooks_on);
+    if (self->hooks_on < 0)
+        return -1;
     Py_DECREF(phases);
     if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
         !self->backward_sources || !self->token || !self->written_since || !self->record_failure ||
         !self->link_pending || !self->phase_special || !self->recomputed || !self->owner_of ||
-        !self->locate)
+        !self->locate || !self->storage_refs || !self->note_writes || !self->with_written_bases)
         return -1;
     if (!PyList_Check(self->rows) || !PyDict_Check(self->label_counts) || !PyDict_Check(self->params) ||
-        !PyDict_Check(self->writes) || !PyDict_Check(self->backward_sources)) {
+        !PyDict_Check(self->writes) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs)) {
         PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
         return -1;
     }
@@ -851,6 +972,9 @@ fastop_clear(FastOp *self)
     Py_CLEAR(self->owner_of);
     Py_CLEAR(self->locate);
     Py_CLEAR(self->mode);
+    Py_CLEAR(self->with_written_bases);
+    Py_CLEAR(self->note_writes);
+    Py_CLEAR(self->storage_refs);
     return 0;
 }
 
@@ -875,6 +999,9 @@ fastop_traverse(FastOp *self, visitproc visit, void *arg)
     Py_VISIT(self->owner_of);
     Py_VISIT(self->locate);
     Py_VISIT(self->mode);
+    Py_VISIT(self->with_written_bases);
+    Py_VISIT(self->note_writes);
+    Py_VISIT(self->storage_refs);
     return 0;
 }
 
@@ -919,18 +1046,18 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"tensor_type", "parameter_type", "entries", "make_entry", "dtype_names",
                             "device_names", "dtype_name", "device_name", "flat_outputs", "shape_of",
-                            "flop_count", "graph_task_id", "grad_enabled", "backward_link",
-                            "accumulating_param", "perf_counter_ns", "tag", NULL};
-    PyObject *v[17];
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOU:configure", names, &v[0], &v[1],
+                            "flop_count", "graph_task_id", "grad_enabled", "current_node",
+                            "accumulating_param", "perf_counter_ns", "mutated_tensors", "tag", NULL};
+    PyObject *v[18];
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOOU:configure", names, &v[0], &v[1],
                                      &PyDict_Type, &v[2], &v[3], &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6],
-                                     &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16]))
+                                     &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16], &v[17]))
         return NULL;
-    PyObject **slots[17] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
+    PyObject **slots[18] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
                             &g_device_names, &g_dtype_name, &g_device_name, &g_flat_outputs, &g_shape_of,
-                            &g_flop_count, &g_graph_task_id, &g_grad_enabled, &g_backward_link,
-                            &g_accumulating_param, &g_perf_counter_ns, &g_tag};
-    for (int i = 0; i < 17; i++)
+                            &g_flop_count, &g_graph_task_id, &g_grad_enabled, &g_current_node,
+                            &g_accumulating_param, &g_perf_counter_ns, &g_mutated_tensors, &g_tag};
+    for (int i = 0; i < 18; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
     Py_RETURN_NONE;
 }
@@ -981,6 +1108,11 @@ PyInit__fastop(void)
     INTERN(s_current_source, "current_source");
     INTERN(s_step_source, "step_source");
     INTERN(s_optimizer, "optimizer");
+    INTERN(s_untyped_storage, "untyped_storage");
+    INTERN(s_nbytes, "nbytes");
+    INTERN(s_data_ptr, "data_ptr");
+    if ((g_labels = PyDict_New()) == NULL)
+        return NULL;
     if (PyType_Ready(&FastOpType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&fastop_module);

@@ -3,8 +3,8 @@
 The extension is built at install time when a C compiler is there (``pip install`` builds it; it is optional,
 so an install without a compiler still works and every op takes the Python path). It does the work of
 ``Recorder.on_op`` for the ops of a metadata + timing window (the telemetry default): no saved outputs and
-no statistics, and per op no tensor subclass, collective, in-place write, tensor list,
-intervention or CUDA kernel. Every other op, and every op of other windows, runs ``Recorder.on_op``, which
+no statistics, and per op no tensor subclass, collective, tensor list, intervention or CUDA kernel. Every
+other op, and every op of other windows, runs ``Recorder.on_op``, which
 stays the reference: ``tests/test_fastop.py`` checks both give the same rows.
 
 Set ``TL_DIST_PURE_PYTHON=1`` to run every op in Python (read when a window opens).
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
-from ._opinfo import flop_count, op_info
+from ._opinfo import flop_count, mutated_tensors, op_info
 from ._phases import SPECIAL, accumulating_param
 from .schema import OP_FIELDS, field_names
-from .training import _KEY, backward_link
+from .training import _KEY
 
 try:
     from . import _fastop
@@ -60,9 +60,10 @@ _ROW_LAYOUT = (
 def _entry(func: Any) -> tuple | None:
     """What the compiled path needs of an op overload, or None when its ops always need Recorder.on_op."""
     info = op_info(func)
-    if info.comm is not None or info.mutated or info.tensor_lists or info.kind == "collective":
+    if info.comm is not None or info.tensor_lists or info.kind == "collective":
         return None
-    return (func, info, info.call, info.func, info.aten, info.kind, info.flop_fn, info.func in SPECIAL)
+    special = info.func in SPECIAL
+    return (func, info, info.call, info.func, info.aten, info.kind, info.flop_fn, special, bool(info.mutated))
 
 
 def available() -> bool:
@@ -97,8 +98,9 @@ if _fastop is not None:
         flop_count=flop_count,
         graph_task_id=torch._C._current_graph_task_id,
         grad_enabled=torch.is_grad_enabled,
-        backward_link=backward_link,
+        current_node=torch._C._current_autograd_node,
         accumulating_param=accumulating_param,
         perf_counter_ns=time.perf_counter_ns,
+        mutated_tensors=mutated_tensors,
         tag=TAG,
     )
