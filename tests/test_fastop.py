@@ -151,13 +151,19 @@ def test_factory_kwargs_and_multi_output_ops_match(monkeypatch: pytest.MonkeyPat
             v = y.view(-1)
             y.relu_()  # written in place after v was made: v's value now comes from relu_
             v * 2
+            z = a * 1
+            z[:, 0] = 0  # fill_ into a view of z: z becomes an output of fill_
+            z.sum()
 
         return run
 
     trace = _assert_same(monkeypatch, build)
     assert "factory" in trace.columns["kind"]
-    relu, last = trace.labels["relu__1"], len(trace) - 1
-    assert trace.columns["parents"][last] == (relu - 1, relu)  # the view, and the write into its memory
+    relu = trace.labels["relu__1"]
+    mul = next(i for i in range(relu, len(trace)) if trace.columns["func"][i] == "mul")
+    assert trace.columns["parents"][mul] == (relu - 1, relu)  # the view, and the write into its memory
+    fill, total = trace.labels["fill__1"], len(trace) - 1
+    assert trace.columns["parents"][total] == (fill,)
 
 
 def test_failing_op_is_recorded_alike(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ static PyObject *g_make_entry;   /* func -> entry tuple or None */
 static PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 static PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 static PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
-static PyObject *g_perf_counter_ns, *g_current_node, *g_mutated_tensors;
+static PyObject *g_perf_counter_ns, *g_current_node;
 static PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 static PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 
@@ -33,7 +33,7 @@ static PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current_address,
     *s_address_stack, *s_current_call, *s_cpu, *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr;
+    *s_data_ptr, *s_base;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SIZE };
@@ -239,6 +239,65 @@ label_of(PyObject *name, long n)
             return NULL;
     }
     return Py_NewRef(PyList_GET_ITEM(labels, n - 1));
+}
+
+/* _opinfo.mutated_tensors: the tensors the op gets in the argument slots it writes into. */
+static PyObject *
+mutated_tensors(PyObject *mutated, PyObject *args, PyObject *kwargs)
+{
+    PyObject *found = PyList_New(0);
+    if (found == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mutated); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(mutated, i);
+        Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(slot, 0));
+        if (pos == -1 && PyErr_Occurred())
+            goto error;
+        PyObject *value = pos < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, pos)
+                          : kwargs != NULL ? PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(slot, 1))
+                                           : NULL;
+        if (value == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            continue;
+        }
+        if (is_tensor(value)) {
+            if (PyList_Append(found, value) < 0)
+                goto error;
+        } else if (PyList_Check(value) || PyTuple_Check(value)) {
+            PyObject *seq = PySequence_Fast(value, "");
+            if (seq == NULL)
+                goto error;
+            for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq); k++) {
+                PyObject *v = PySequence_Fast_GET_ITEM(seq, k);
+                if (is_tensor(v) && PyList_Append(found, v) < 0) {
+                    Py_DECREF(seq);
+                    goto error;
+                }
+            }
+            Py_DECREF(seq);
+        }
+    }
+    return found;
+error:
+    Py_DECREF(found);
+    return NULL;
+}
+
+/* Whether any tensor written is a view (has a _base): only then can the write add outputs. */
+static int
+any_base(PyObject *written)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(written); i++) {
+        PyObject *base = PyObject_GetAttr(PyList_GET_ITEM(written, i), s_base);
+        if (base == NULL)
+            return -1;
+        int view = base != Py_None;
+        Py_DECREF(base);
+        if (view)
+            return 1;
+    }
+    return 0;
 }
 
 /* training.backward_link: the forward op whose autograd node is running now, -1 when unknown. */
@@ -467,18 +526,14 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         }
     }
 
-    int mutates = PyTuple_GET_ITEM(entry, E_MUTATES) == Py_True;
+    PyObject *mutated = PyTuple_GET_ITEM(entry, E_MUTATES);
+    int mutates = PyTuple_GET_SIZE(mutated) > 0;
     if (mutates) {
         if (PyDict_GET_SIZE(self->storage_refs) > 0) { /* saved tensors to copy first: Recorder._before_write */
             slow = 1;
             goto cleanup;
         }
-        PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
-        written = kw == NULL ? NULL
-                             : PyObject_CallFunctionObjArgs(g_mutated_tensors, PyTuple_GET_ITEM(entry, E_INFO), args,
-                                                            kw, NULL);
-        Py_XDECREF(kw);
-        if (written == NULL)
+        if ((written = mutated_tensors(mutated, args, kwargs)) == NULL)
             goto cleanup;
     }
 
@@ -591,7 +646,10 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         if (r == NULL)
             goto cleanup;
         Py_DECREF(r);
-        if (PyList_GET_SIZE(outs) > 0) { /* a write into a view changes its base: an extra output */
+        int views = PyList_GET_SIZE(outs) > 0 ? any_base(written) : 0;
+        if (views < 0)
+            goto cleanup;
+        if (views) { /* a write into a view changes its base: an extra output */
             PyObject *with_bases = PyObject_CallFunctionObjArgs(self->with_written_bases, written, outs, NULL);
             if (with_bases == NULL)
                 goto cleanup;
@@ -1047,17 +1105,17 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
     static char *names[] = {"tensor_type", "parameter_type", "entries", "make_entry", "dtype_names",
                             "device_names", "dtype_name", "device_name", "flat_outputs", "shape_of",
                             "flop_count", "graph_task_id", "grad_enabled", "current_node",
-                            "accumulating_param", "perf_counter_ns", "mutated_tensors", "tag", NULL};
-    PyObject *v[18];
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOOU:configure", names, &v[0], &v[1],
+                            "accumulating_param", "perf_counter_ns", "tag", NULL};
+    PyObject *v[17];
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOU:configure", names, &v[0], &v[1],
                                      &PyDict_Type, &v[2], &v[3], &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6],
-                                     &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16], &v[17]))
+                                     &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16]))
         return NULL;
-    PyObject **slots[18] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
+    PyObject **slots[17] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
                             &g_device_names, &g_dtype_name, &g_device_name, &g_flat_outputs, &g_shape_of,
                             &g_flop_count, &g_graph_task_id, &g_grad_enabled, &g_current_node,
-                            &g_accumulating_param, &g_perf_counter_ns, &g_mutated_tensors, &g_tag};
-    for (int i = 0; i < 18; i++)
+                            &g_accumulating_param, &g_perf_counter_ns, &g_tag};
+    for (int i = 0; i < 17; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
     Py_RETURN_NONE;
 }
@@ -1111,6 +1169,7 @@ PyInit__fastop(void)
     INTERN(s_untyped_storage, "untyped_storage");
     INTERN(s_nbytes, "nbytes");
     INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_base, "_base");
     if ((g_labels = PyDict_New()) == NULL)
         return NULL;
     if (PyType_Ready(&FastOpType) < 0)

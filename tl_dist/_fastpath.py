@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
-from ._opinfo import flop_count, mutated_tensors, op_info
+from ._opinfo import flop_count, op_info
 from ._phases import SPECIAL, accumulating_param
 from .schema import OP_FIELDS, field_names
 from .training import _KEY
@@ -63,7 +63,7 @@ def _entry(func: Any) -> tuple | None:
     if info.comm is not None or info.tensor_lists or info.kind == "collective":
         return None
     special = info.func in SPECIAL
-    return (func, info, info.call, info.func, info.aten, info.kind, info.flop_fn, special, bool(info.mutated))
+    return (func, info, info.call, info.func, info.aten, info.kind, info.flop_fn, special, info.mutated)
 
 
 def available() -> bool:
@@ -101,6 +101,5 @@ if _fastop is not None:
         current_node=torch._C._current_autograd_node,
         accumulating_param=accumulating_param,
         perf_counter_ns=time.perf_counter_ns,
-        mutated_tensors=mutated_tensors,
         tag=TAG,
     )
