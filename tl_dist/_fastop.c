@@ -30,8 +30,7 @@ static PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the 
 
 /* Interned names. */
 static PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_grad_fn, *s_metadata,
-    *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current_address,
-    *s_address_stack, *s_current_call, *s_cpu, *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
+    *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu, *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base;
 
@@ -82,6 +81,21 @@ is_tensor(PyObject *o)
 {
     /* isinstance(o, torch.Tensor): torch's metaclass does not override the check, so a subtype test is it. */
     return PyObject_TypeCheck(o, (PyTypeObject *)g_tensor_type);
+}
+
+/* Takes a tuple of atoms (ints, strs, tuples already untracked) off the cyclic GC's list, as the GC's own
+ * first pass over it would: the window's rows then cost that pass nothing when the window closes. */
+static void
+untrack_atomic(PyObject *t)
+{
+    if (!PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t))
+        return;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *item = PyTuple_GET_ITEM(t, i);
+        if (PyObject_IS_GC(item) && PyObject_GC_IsTracked(item))
+            return;
+    }
+    PyObject_GC_UnTrack(t);
 }
 
 /* The entry of func: a tuple, Py_None (slow path), or NULL with an error set. Borrowed. */
@@ -336,6 +350,8 @@ shape_tuple(PyObject *t)
         return NULL;
     PyObject *shape = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size);
     Py_DECREF(size);
+    if (shape != NULL)
+        untrack_atomic(shape);
     return shape;
 }
 
@@ -357,6 +373,7 @@ shapes_of(PyObject *tensors, int fallback)
         }
         PyTuple_SET_ITEM(shapes, i, s);
     }
+    untrack_atomic(shapes);
     return shapes;
 }
 
@@ -723,6 +740,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             Py_XDECREF(p);
             if (tag == NULL)
                 goto cleanup;
+            untrack_atomic(tag);
             int rc = PyObject_SetAttr(o, g_tag, tag);
             if (n_out == 1)
                 link = tag; /* its tag, and the link of its autograd node */
@@ -787,10 +805,19 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             Py_SETREF(phase, p);
         }
         fwd_op = PyLong_FromLong(-1);
-        address = PyObject_GetAttr(modules, s_current_address);
-        stack = address == NULL ? NULL : PyObject_GetAttr(modules, s_address_stack);
-        call = stack == NULL ? NULL : PyObject_GetAttr(modules, s_current_call);
-        if (fwd_op == NULL || call == NULL || (source = forward_source(self, phase)) == NULL)
+        PyObject *current = PyObject_GetAttr(modules, s_current);
+        if (current == NULL)
+            goto cleanup;
+        if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 3) {
+            Py_DECREF(current);
+            PyErr_SetString(PyExc_TypeError, "tl_dist: ModuleTracker.current must be (address, stack, call)");
+            goto cleanup;
+        }
+        address = Py_NewRef(PyTuple_GET_ITEM(current, 0));
+        stack = Py_NewRef(PyTuple_GET_ITEM(current, 1));
+        call = Py_NewRef(PyTuple_GET_ITEM(current, 2));
+        Py_DECREF(current);
+        if (fwd_op == NULL || (source = forward_source(self, phase)) == NULL)
             goto cleanup;
     } else {
         PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
@@ -884,6 +911,10 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     };
     for (int i = 0; i < N_FIELDS; i++)
         PyTuple_SET_ITEM(row, i, fields[i]);
+    untrack_atomic(parents_tuple);
+    untrack_atomic(params_tuple);
+    untrack_atomic(stack); /* a module's address stack: its addresses */
+    untrack_atomic(row);
     if (PyList_Append(self->rows, row) < 0)
         goto cleanup;
 
@@ -1152,9 +1183,7 @@ PyInit__fastop(void)
     INTERN(s_shape, "shape");
     INTERN(s_nelement, "nelement");
     INTERN(s_element_size, "element_size");
-    INTERN(s_current_address, "current_address");
-    INTERN(s_address_stack, "address_stack");
-    INTERN(s_current_call, "current_call");
+    INTERN(s_current, "current");
     INTERN(s_cpu, "cpu");
     INTERN(s_factory, "factory");
     INTERN(s_other, "other");

@@ -117,6 +117,8 @@ class ModuleTracker:
         # The innermost call is of a torch module class (nn.Linear): the source of its ops is its call site.
         self.current_builtin = False
         self.address_stack: tuple[str, ...] = ()
+        # (current_address, address_stack, current_call) in one read, for the compiled per-op path.
+        self.current: tuple[str, tuple[str, ...], int] = ("", (), -1)
         self._root_names: set[str] = set()
         self._wrapper_of: dict[int, int] = {}  # id(compiled module's _orig_mod) -> id(its OptimizedModule)
         for prefix, root in roots:
@@ -364,6 +366,7 @@ class ModuleTracker:
             self.current_source = ""
             self.current_builtin = False
             self.address_stack = ()
+        self.current = (self.current_address, self.address_stack, self.current_call)
 
     def close(self) -> None:
         """Ends calls still open (the forward raised) at the current op count; untags the modules' tensors."""
