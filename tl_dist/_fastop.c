@@ -4,8 +4,8 @@
  * dtype, phase, module, the row) costs ~48,000 instructions, a third of them bytecode evaluation, spread too
  * thin for any one Python change to matter (docs/telemetry.md, "Cost"). This file does the same work for
  * the ops a metadata + timing window sees most: no tensor subclass, no collective, no tensor list, no
- * intervention, CPU tensors or a view, outputs not saved, no statistics. In-place writes are noted by the
- * recorder's own Python helpers.
+ * intervention, CPU tensors or a view, outputs not saved. In-place writes and output statistics are left
+ * to the recorder's own Python helpers.
  * Anything else returns to Recorder.on_op, which stays the reference: tests/test_fastop.py checks that
  * both build the same rows.
  *
@@ -51,6 +51,8 @@ typedef struct {
     PyObject *storage_refs;     /* rec._storage_refs: saved tensors to copy before a write (saving windows) */
     PyObject *note_writes, *with_written_bases;
     int hooks_on;               /* training.hooks_on: gradient hooks on each output's node (fixed per window) */
+    int stats_on;               /* rec.stats_on: output statistics (TrainingState.out_stats, in Python) */
+    PyObject *in_flight, *out_stats, *arrived; /* training's collectives awaiting their statistics */
 } FastOp;
 
 static int
@@ -613,6 +615,24 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         }
     }
 
+    if (self->stats_on && PyDict_GET_SIZE(self->in_flight) > 0) {
+        /* reading a collective's buffer: its result is there (TrainingState.arrived) */
+        PyObject *kw = Py_BuildValue("{s:O}", "reader", Py_True);
+        if (kw == NULL)
+            goto cleanup;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parents); i++) {
+            PyObject *one = PyTuple_Pack(1, PyList_GET_ITEM(parents, i));
+            PyObject *r = one == NULL ? NULL : PyObject_Call(self->arrived, one, kw);
+            Py_XDECREF(one);
+            if (r == NULL) {
+                Py_DECREF(kw);
+                goto cleanup;
+            }
+            Py_DECREF(r);
+        }
+        Py_DECREF(kw);
+    }
+
     /* The op. */
     PyObject *info = PyTuple_GET_ITEM(entry, E_INFO);
     t0 = now_ns();
@@ -932,6 +952,12 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
                 goto cleanup;
         }
     }
+    if (n_out > 0 && self->stats_on) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->out_stats, index, outs, row, NULL);
+        if (r == NULL)
+            goto cleanup;
+        Py_DECREF(r);
+    }
     PyObject *next_index = PyLong_FromLong(idx + 1);
     int rc = next_index == NULL ? -1 : PyObject_SetAttr(self->rec, s_n_ops, next_index);
     Py_XDECREF(next_index);
@@ -1026,6 +1052,20 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     Py_XDECREF(hooks_on);
     if (self->hooks_on < 0)
         return -1;
+    PyObject *stats_on = PyObject_GetAttrString(rec, "stats_on");
+    self->stats_on = stats_on == NULL ? -1 : PyObject_IsTrue(stats_on);
+    Py_XDECREF(stats_on);
+    if (self->stats_on < 0)
+        return -1;
+    self->in_flight = PyObject_GetAttrString(training, "in_flight");
+    self->out_stats = PyObject_GetAttrString(training, "out_stats");
+    self->arrived = PyObject_GetAttrString(training, "arrived");
+    if (self->in_flight == NULL || self->out_stats == NULL || self->arrived == NULL)
+        return -1;
+    if (!PyDict_Check(self->in_flight)) {
+        PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
+        return -1;
+    }
     Py_DECREF(phases);
     if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
         !self->backward_sources || !self->token || !self->written_since || !self->record_failure ||
@@ -1061,6 +1101,9 @@ fastop_clear(FastOp *self)
     Py_CLEAR(self->owner_of);
     Py_CLEAR(self->locate);
     Py_CLEAR(self->mode);
+    Py_CLEAR(self->arrived);
+    Py_CLEAR(self->out_stats);
+    Py_CLEAR(self->in_flight);
     Py_CLEAR(self->with_written_bases);
     Py_CLEAR(self->note_writes);
     Py_CLEAR(self->storage_refs);
@@ -1088,6 +1131,9 @@ fastop_traverse(FastOp *self, visitproc visit, void *arg)
     Py_VISIT(self->owner_of);
     Py_VISIT(self->locate);
     Py_VISIT(self->mode);
+    Py_VISIT(self->arrived);
+    Py_VISIT(self->out_stats);
+    Py_VISIT(self->in_flight);
     Py_VISIT(self->with_written_bases);
     Py_VISIT(self->note_writes);
     Py_VISIT(self->storage_refs);

@@ -2,8 +2,8 @@
 
 The extension is built at install time when a C compiler is there (``pip install`` builds it; it is optional,
 so an install without a compiler still works and every op takes the Python path). It does the work of
-``Recorder.on_op`` for the ops of a metadata + timing window (the telemetry default): no saved outputs and
-no statistics, and per op no tensor subclass, collective, tensor list, intervention or CUDA kernel. Every
+``Recorder.on_op`` for the ops of a window that saves no outputs (the telemetry default, with or without
+``stats``; the statistics themselves are taken by the same Python code), and per op no tensor subclass, collective, tensor list, intervention or CUDA kernel. Every
 other op, and every op of other windows, runs ``Recorder.on_op``, which
 stays the reference: ``tests/test_fastop.py`` checks both give the same rows.
 
@@ -75,7 +75,7 @@ def compiled_dispatch(recorder: Any, mode: Any) -> Any:
     """A ``__torch_dispatch__`` for ``mode`` that records into ``recorder`` in C, or None if this window needs
     Python. It holds the recorder and only a weak reference to the mode, so the window's objects stay free of
     reference cycles."""
-    if not available() or recorder.saving or recorder.stats_on:
+    if not available() or recorder.saving:
         return None
     return _fastop.FastOp(recorder, mode)
 
