@@ -36,7 +36,7 @@ system-packages:
 	    echo "carrying on: tests that need them skip, drawing says how to get Graphviz"; \
 	fi
 
-$(STAMP): pyproject.toml setup.py tl_dist/_fastop.c $(CONSTRAINTS)
+$(STAMP): pyproject.toml setup.py $(wildcard tl_dist/_csrc/*) $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c $(CONSTRAINTS) torch

@@ -1,4 +1,4 @@
-"""The compiled per-op path (tl_dist/_fastop.c) records exactly what ``Recorder.on_op`` records.
+"""The compiled per-op path (tl_dist/_csrc/) records exactly what ``Recorder.on_op`` records.
 
 Each workload runs twice from the same seed, once with every op in Python (``TL_DIST_PURE_PYTHON=1``) and
 once with the compiled path, and every column of the op table but the clock readings must be equal: labels,
@@ -213,3 +213,19 @@ def test_windows_that_need_python_take_it(monkeypatch: pytest.MonkeyPatch) -> No
     with tl.capture(save=True) as cap:  # saved outputs and their replay records: Recorder.on_op
         torch.randn(2).relu()
     assert "__torch_dispatch__" not in cap._mode.__dict__
+
+
+def test_a_schema_the_extension_cannot_fill_is_refused_whole() -> None:
+    names = _fastpath.CONFIG["row_fields"]
+    renamed = tuple("parameters" if n == "params" else n for n in names)
+    with pytest.raises(ValueError, match="schema.OP_FIELDS has no field params, which tl_dist._fastop fills"):
+        _fastpath._fastop.configure(**{**_fastpath.CONFIG, "row_fields": renamed})
+    with pytest.raises(ValueError, match="builds rows of 22 fields; schema.OP_FIELDS has 21"):
+        _fastpath._fastop.configure(**{**_fastpath.CONFIG, "row_fields": names[:-1]})
+    # Nothing changed: rows still land where the schema says.
+    a = torch.ones(2)
+    with tl.capture(source=False) as cap:
+        a.relu().neg()
+    assert cap.trace.columns["label"] == ["relu_1", "neg_1"]
+    assert cap.trace.columns["parents"] == [(), (0,)]
+    assert cap.trace.columns["params"] == [(), ()]

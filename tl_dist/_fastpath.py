@@ -1,11 +1,11 @@
-"""When a window's ops take the compiled per-op path (``tl_dist/_fastop.c``) instead of ``Recorder.on_op``.
+"""When a window's ops take the compiled per-op path (``tl_dist/_csrc/``) instead of ``Recorder.on_op``.
 
 The extension is built at install time when a C compiler is there (``pip install`` builds it; it is optional,
 so an install without a compiler still works and every op takes the Python path). It does the work of
 ``Recorder.on_op`` for the ops of a window that saves no outputs (the telemetry default, with or without
-``stats``; the statistics themselves are taken by the same Python code), and per op no tensor subclass, collective, tensor list, intervention or CUDA kernel. Every
-other op, and every op of other windows, runs ``Recorder.on_op``, which
-stays the reference: ``tests/test_fastop.py`` checks both give the same rows.
+``stats``; the statistics themselves are taken by the same Python code), and per op no tensor subclass,
+collective, tensor list, intervention or CUDA kernel. Every other op, and every op of other windows, runs
+``Recorder.on_op``, which stays the reference: ``tests/test_fastop.py`` checks both give the same rows.
 
 Set ``TL_DIST_PURE_PYTHON=1`` to run every op in Python (read when a window opens).
 """
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
+from ._modules import hidden_from_dynamo
 from ._opinfo import flop_count, op_info
 from ._phases import SPECIAL, accumulating_param
 from .schema import OP_FIELDS, field_names
@@ -30,31 +31,6 @@ except ImportError:  # built without a C compiler: every op takes the Python pat
     _fastop = None
 
 PURE_PYTHON_ENV = "TL_DIST_PURE_PYTHON"
-# The row _fastop.c builds, field by field; a schema change must change both.
-_ROW_LAYOUT = (
-    "index",
-    "label",
-    "func",
-    "aten",
-    "kind",
-    "phase",
-    "fwd_op",
-    "module",
-    "module_stack",
-    "module_call",
-    "out_shapes",
-    "dtype",
-    "device",
-    "out_bytes",
-    "in_shapes",
-    "parents",
-    "inplace",
-    "flops",
-    "start_ns",
-    "duration_ns",
-    "source",
-    "params",
-)
 
 
 def _entry(func: Any) -> tuple | None:
@@ -77,14 +53,29 @@ def compiled_dispatch(recorder: Any, mode: Any) -> Any:
     reference cycles."""
     if not available() or recorder.saving:
         return None
+    hidden_from_dynamo(*_called_from_c(recorder))
     return _fastop.FastOp(recorder, mode)
 
 
+def _called_from_c(recorder: Any) -> list[Any]:
+    """The Python the compiled path calls. With no Python frame of tl_dist's below them (the mode's own
+    ``__torch_dispatch__``, which is marked), Dynamo would compile each when an op runs while it traces (a
+    compiled DDP's forward): new frames and graph breaks in the window. Marked again at every window, as the
+    mode is: ``torch._dynamo.reset()`` may drop the marks."""
+    training, modules = recorder.training, recorder.modules
+    called = [_entry, flat_outputs, shape_of, flop_count, dtype_name, device_name, accumulating_param]
+    called += [recorder.on_op, recorder._written_since, recorder._record_failure, recorder._note_writes]
+    called += [recorder._with_written_bases, training.link_pending, training.out_stats, training.arrived]
+    called += [recorder.phases.special, modules.recomputed, modules.owner_of]
+    if recorder.locate is not None:
+        called.append(type(recorder.locate).__call__)
+    return called
+
+
 if _fastop is not None:
-    if field_names(OP_FIELDS) != _ROW_LAYOUT:
-        raise ImportError("tl_dist._fastop builds rows out of step with schema.OP_FIELDS: update _fastop.c")
     assert _KEY == TAG, "_fastop.c uses one name for the tensor tag and the autograd-node key"
-    _fastop.configure(
+    # What the extension calls and reads; configure() takes them once (tests reconfigure it from here).
+    CONFIG = dict(
         tensor_type=torch.Tensor,
         parameter_type=torch.nn.Parameter,
         entries={},
@@ -102,4 +93,6 @@ if _fastop is not None:
         accumulating_param=accumulating_param,
         perf_counter_ns=time.perf_counter_ns,
         tag=TAG,
+        row_fields=field_names(OP_FIELDS),  # the extension fills each row in this order, by name
     )
+    _fastop.configure(**CONFIG)

@@ -8,9 +8,11 @@ output, so identity survives ``id()`` reuse and in-place ops simply re-tag their
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,6 +73,19 @@ class CaptureMode(TorchDispatchMode):
             self.__torch_dispatch__ = dispatch
         # Marked again at every window: torch._dynamo.reset() may drop what was set on the code objects.
         hidden_from_dynamo(CaptureMode.__torch_dispatch__, SubclassMode.__torch_dispatch__)
+
+    @contextlib.contextmanager
+    def redirected(self, on_op: Any) -> Iterator[None]:
+        """Sends every op to ``on_op`` (``Recorder.on_op``'s signature) instead of the recorder while the block
+        runs, the compiled per-op path included (a compiled region's own ops, ``tl_dist.compiled``)."""
+        recorded, compiled = self._on_op, self.__dict__.pop("__torch_dispatch__", None)
+        self._on_op = on_op
+        try:
+            yield
+        finally:
+            self._on_op = recorded
+            if compiled is not None:
+                self.__torch_dispatch__ = compiled
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -217,7 +217,7 @@ class Capture:
         for row in rec.modules.open_call_rows():
             trace.module_table["end_op"][row] = rec.n_ops
         if trace.failed_op is None:
-            trace.failed_op = _in_flight(frame)
+            trace.failed_op = _in_flight(frame, self._mode, rec)
         return trace
 
     def _build_trace(self, output: Any, end_ns: int | None = None) -> Trace:
@@ -344,26 +344,33 @@ def _drop_freed(saved: dict[int, list], grads: dict[int, list], labels: list[str
         )
 
 
-def _in_flight(frame: Any) -> dict[str, Any] | None:
-    """The op a signal interrupted: the Recorder.on_op frame on the interrupted stack, if any.\n\n    NB: it reads that frame's locals (``info``, ``self``): tracking the op in flight in the recorder would cost\n    every op two attribute writes on the hot path, for a post-mortem that rarely happens."""
+def _in_flight(frame: Any, mode: CaptureMode | None, rec: Recorder) -> dict[str, Any] | None:
+    """The op a signal interrupted: the Recorder.on_op frame on the interrupted stack, if any, else the op the
+    mode's compiled dispatch is running (``tl_dist._fastpath``; it has no frame of its own).
+
+    NB: it reads that frame's locals (``info``): tracking the op in flight in the recorder would cost every op
+    two attribute writes on the hot path, for a post-mortem that rarely happens (the compiled path keeps a C
+    pointer instead)."""
     code = Recorder.on_op.__code__
-    while frame is not None:
+    info = None
+    while frame is not None and info is None:
         if frame.f_code is code:
-            local = frame.f_locals
-            info = local.get("info")
-            recorder = local.get("self")
-            if info is None or recorder is None:
+            info = frame.f_locals.get("info")
+            if info is None:
                 return None
-            return {
-                "index": recorder.n_ops,
-                "func": info.func,
-                "aten": info.aten,
-                "module": recorder.modules.current_address,
-                "source": "",
-                "error": "in flight when the post-mortem was written",
-            }
         frame = frame.f_back
-    return None
+    if info is None and mode is not None:
+        info = getattr(mode.__dict__.get("__torch_dispatch__"), "running", None)
+    if info is None:
+        return None
+    return {
+        "index": rec.n_ops,
+        "func": info.func,
+        "aten": info.aten,
+        "module": rec.modules.current_address,
+        "source": "",
+        "error": "in flight when the post-mortem was written",
+    }
 
 
 def capture(

@@ -268,13 +268,10 @@ class _Region:
             # An Inductor artifact holds plain tensors only (AOTAutograd unwraps subclasses before it).
             with _NO_PYTHON_DISPATCH():
                 return _ORIGINAL_CALL(self.compiled, list(inputs))
-        mode = hook.mode
-        on_op = mode._on_op
-        mode._on_op = hook.inside  # the region's own dispatched ops (extern kernels) are inside it
-        try:
+        with hook.mode.redirected(
+            hook.inside
+        ):  # the region's own dispatched ops (extern kernels) are inside it
             return _ORIGINAL_CALL(self.compiled, list(inputs))
-        finally:
-            mode._on_op = on_op
 
 
 _ORIGINAL_CALL: Any = None

@@ -1,0 +1,642 @@
+/* The compiled twin of Recorder.on_op for the telemetry window's common op (tl_dist/_fastpath.py).
+ *
+ * Every ATen op of a captured step passes through the recorder; in Python its per-op work (tags, shapes,
+ * dtype, phase, module, the row) costs ~48,000 instructions, a third of them bytecode evaluation, spread too
+ * thin for any one Python change to matter (docs/telemetry.md, "Cost"). This extension does the same work for
+ * the ops a metadata + timing window sees most: no tensor subclass, no collective, no tensor list, no
+ * intervention, CPU tensors or a view, outputs not saved. In-place writes and output statistics are left
+ * to the recorder's own Python helpers.
+ * Anything else returns to Recorder.on_op, which stays the reference: tests/test_fastop.py checks that
+ * both build the same rows. This file: the dispatch, the FastOp type and the module; record.c: the parts
+ * of a row.
+ *
+ * It uses the CPython API only (no torch headers): torch is reached through the Python objects handed to
+ * configure(), so the extension does not depend on torch's C++ ABI. A row's values go where
+ * schema.OP_FIELDS, handed to configure(), puts their names.
+ */
+#include "fastop.h"
+
+#include <string.h>
+
+/* The objects declared in fastop.h, set by configure() and at import. */
+int g_slot[N_FIELDS];
+static const char *const FIELD_NAMES[N_FIELDS] = {
+    "index", "label", "func", "aten", "kind", "phase", "fwd_op", "module", "module_stack", "module_call",
+    "out_shapes", "dtype", "device", "out_bytes", "in_shapes", "parents", "inplace", "flops", "start_ns",
+    "duration_ns", "source", "params",
+};
+PyObject *g_tensor_type, *g_parameter_type;
+PyObject *g_entries;      /* id(func) -> entry tuple, or None for an op that always takes the slow path */
+PyObject *g_make_entry;   /* func -> entry tuple or None */
+PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
+PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
+PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
+PyObject *g_perf_counter_ns, *g_current_node;
+PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
+PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
+PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_grad_fn, *s_metadata,
+    *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
+    *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
+    *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
+    *s_data_ptr, *s_base;
+
+/* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
+static PyObject *
+fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
+{
+    Py_ssize_t argc = PyTuple_GET_SIZE(call_args);
+    if (argc < 2 || argc > 4 || (call_kwargs != NULL && PyDict_GET_SIZE(call_kwargs) > 0)) {
+        PyErr_SetString(PyExc_TypeError, "__torch_dispatch__(func, types, args=(), kwargs=None)");
+        return NULL;
+    }
+    FastOp *self = (FastOp *)callable;
+    PyObject *func = PyTuple_GET_ITEM(call_args, 0), *types = PyTuple_GET_ITEM(call_args, 1);
+    PyObject *args = argc > 2 ? PyTuple_GET_ITEM(call_args, 2) : NULL;
+    PyObject *kwargs = argc > 3 ? PyTuple_GET_ITEM(call_args, 3) : NULL;
+    PyObject *empty_args = NULL;
+    if (args == NULL) {
+        args = empty_args = PyTuple_New(0);
+        if (args == NULL)
+            return NULL;
+    }
+    if (kwargs == Py_None)
+        kwargs = NULL;
+
+    PyObject *result = NULL;
+    PyObject *tensors = NULL, *parents = NULL, *param_names = NULL, *t0 = NULL, *t1 = NULL, *out = NULL;
+    PyObject *outs = NULL, *index = NULL, *label = NULL, *dtype = NULL, *device = NULL, *link = NULL;
+    PyObject *in_shapes = NULL, *out_shapes = NULL, *flops = NULL, *row = NULL;
+    PyObject *count = NULL, *pending = NULL, *written = NULL;
+    struct place pl = {NULL, NULL, NULL, NULL, NULL, NULL};
+    long long out_bytes = 0;
+    int slow = 0;
+
+    /* A tensor subclass runs its own dispatch inside the op: Recorder.on_op's subclass path. */
+    if (PyTuple_Check(types)) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+            PyObject *t = PyTuple_GET_ITEM(types, i);
+            if (t != g_tensor_type && t != g_parameter_type) {
+                result = call_slow(self, func, args, kwargs, 1);
+                goto cleanup;
+            }
+        }
+    }
+    PyObject *entry = entry_of(func);
+    if (entry == NULL)
+        goto cleanup;
+    if (entry == Py_None || !PyTuple_CheckExact(args) || (kwargs != NULL && !PyDict_Check(kwargs))) {
+        slow = 1;
+        goto cleanup;
+    }
+    PyObject *edits = PyObject_GetAttr(self->rec, s_edits);
+    if (edits == NULL)
+        goto cleanup;
+    Py_DECREF(edits);
+    if (edits != Py_None) {
+        slow = 1;
+        goto cleanup;
+    }
+    PyObject *kind = PyTuple_GET_ITEM(entry, E_KIND);
+
+    if ((tensors = input_tensors(args, kwargs)) == NULL)
+        goto cleanup;
+    Py_ssize_t n_in = PyList_GET_SIZE(tensors);
+    if (n_in > 0 && PyUnicode_Compare(kind, s_view) != 0) {
+        /* Device time from CUDA events: Recorder.on_op. */
+        PyObject *is_cuda = PyObject_GetAttr(PyList_GET_ITEM(tensors, 0), s_is_cuda);
+        if (is_cuda == NULL)
+            goto cleanup;
+        int cuda = PyObject_IsTrue(is_cuda);
+        Py_DECREF(is_cuda);
+        if (cuda != 0) {
+            slow = cuda > 0;
+            goto cleanup;
+        }
+    }
+
+    PyObject *mutated = PyTuple_GET_ITEM(entry, E_MUTATES);
+    int mutates = PyTuple_GET_SIZE(mutated) > 0;
+    if (mutates) {
+        if (PyDict_GET_SIZE(self->storage_refs) > 0) { /* saved tensors to copy first: Recorder._before_write */
+            slow = 1;
+            goto cleanup;
+        }
+        if ((written = mutated_tensors(mutated, args, kwargs)) == NULL)
+            goto cleanup;
+    }
+
+    pending = PyObject_GetAttr(self->rec, s_pending);
+    if (pending == NULL || (pending != Py_None && link_pending(self, pending) < 0))
+        goto cleanup;
+
+    /* Inputs: parents (the ops that made them), parameters read, in-place writes since. */
+    PyObject *token = self->token;
+    parents = PyList_New(0);
+    param_names = PyList_New(0);
+    if (parents == NULL || param_names == NULL || scan_inputs(self, tensors, parents, param_names) < 0)
+        goto cleanup;
+
+    if (self->stats_on && PyDict_GET_SIZE(self->in_flight) > 0) {
+        /* reading a collective's buffer: its result is there (TrainingState.arrived) */
+        PyObject *kw = Py_BuildValue("{s:O}", "reader", Py_True);
+        if (kw == NULL)
+            goto cleanup;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parents); i++) {
+            PyObject *one = PyTuple_Pack(1, PyList_GET_ITEM(parents, i));
+            PyObject *r = one == NULL ? NULL : PyObject_Call(self->arrived, one, kw);
+            Py_XDECREF(one);
+            if (r == NULL) {
+                Py_DECREF(kw);
+                goto cleanup;
+            }
+            Py_DECREF(r);
+        }
+        Py_DECREF(kw);
+    }
+
+    /* The op. */
+    PyObject *info = PyTuple_GET_ITEM(entry, E_INFO);
+    t0 = now_ns();
+    if (t0 == NULL || (out = run_op(self, entry, args, kwargs)) == NULL)
+        goto cleanup;
+    t1 = now_ns();
+    if (t1 == NULL)
+        goto cleanup;
+    index = PyObject_GetAttr(self->rec, s_n_ops);
+    if (index == NULL)
+        goto cleanup;
+    long idx = PyLong_AsLong(index);
+    if (idx == -1 && PyErr_Occurred())
+        goto cleanup;
+
+    if (is_tensor(out) == 1) {
+        outs = PyList_New(1);
+        if (outs == NULL)
+            goto cleanup;
+        Py_INCREF(out);
+        PyList_SET_ITEM(outs, 0, out);
+    } else {
+        if (PyErr_Occurred())
+            goto cleanup;
+        outs = PyObject_CallOneArg(g_flat_outputs, out);
+        if (outs == NULL)
+            goto cleanup;
+    }
+
+    if (mutates) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->note_writes, index, written, NULL);
+        if (r == NULL)
+            goto cleanup;
+        Py_DECREF(r);
+        int views = PyList_GET_SIZE(outs) > 0 ? any_base(written) : 0;
+        if (views < 0)
+            goto cleanup;
+        if (views) { /* a write into a view changes its base: an extra output */
+            PyObject *with_bases = PyObject_CallFunctionObjArgs(self->with_written_bases, written, outs, NULL);
+            if (with_bases == NULL)
+                goto cleanup;
+            Py_SETREF(outs, with_bases);
+            if (!PyList_Check(outs)) {
+                PyErr_SetString(PyExc_TypeError, "tl_dist: _with_written_bases must return a list");
+                goto cleanup;
+            }
+        }
+    }
+
+    /* Label: func_<n>, numbered per func in the window. */
+    PyObject *name = PyTuple_GET_ITEM(entry, E_NAME);
+    PyObject *seen = PyDict_GetItemWithError(self->label_counts, name);
+    long n = 1;
+    if (seen != NULL) {
+        n = PyLong_AsLong(seen) + 1;
+        if (n == 0 && PyErr_Occurred())
+            goto cleanup;
+    } else if (PyErr_Occurred())
+        goto cleanup;
+    count = PyLong_FromLong(n);
+    if (count == NULL || PyDict_SetItem(self->label_counts, name, count) < 0)
+        goto cleanup;
+    label = label_of(name, n);
+    if (label == NULL)
+        goto cleanup;
+
+    Py_ssize_t n_out = PyList_GET_SIZE(outs);
+    PyObject *row_kind = n_out == 0 ? s_other : n_in > 0 ? kind : s_factory;
+    if (describe_outputs(outs, token, index, &dtype, &device, &out_bytes, &link) < 0)
+        goto cleanup;
+
+    /* Shapes. */
+    in_shapes = shapes_of(tensors, 0);
+    out_shapes = in_shapes == NULL ? NULL : shapes_of(outs, 0);
+    if (out_shapes == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+            goto cleanup;
+        PyErr_Clear();
+        Py_CLEAR(in_shapes);
+        in_shapes = shapes_of(tensors, 1);
+        out_shapes = in_shapes == NULL ? NULL : shapes_of(outs, 1);
+        if (out_shapes == NULL)
+            goto cleanup;
+    }
+
+    PyObject *flop_fn = PyTuple_GET_ITEM(entry, E_FLOPS);
+    if (flop_fn == Py_None)
+        flops = PyLong_FromLong(0);
+    else
+    {
+        PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+        flops = kw == NULL ? NULL : PyObject_CallFunctionObjArgs(g_flop_count, info, args, kw, out, NULL);
+        Py_XDECREF(kw);
+    }
+    if (flops == NULL)
+        goto cleanup;
+
+    if (place_op(self, entry, args, &pl) < 0)
+        goto cleanup;
+
+    PyObject *parents_tuple = PyList_AsTuple(parents);
+    PyObject *params_tuple = parents_tuple == NULL ? NULL : PyList_AsTuple(param_names);
+    PyObject *duration = params_tuple == NULL ? NULL : PyNumber_Subtract(t1, t0);
+    PyObject *bytes = duration == NULL ? NULL : PyLong_FromLongLong(out_bytes);
+    if (bytes == NULL) {
+        Py_XDECREF(parents_tuple);
+        Py_XDECREF(params_tuple);
+        Py_XDECREF(duration);
+        goto cleanup;
+    }
+    row = PyTuple_New(N_FIELDS);
+    if (row == NULL) {
+        Py_DECREF(parents_tuple);
+        Py_DECREF(params_tuple);
+        Py_DECREF(duration);
+        Py_DECREF(bytes);
+        goto cleanup;
+    }
+    /* In F_* order, each put at its schema position; PyTuple_SET_ITEM steals, so borrowed ones get a reference. */
+    PyObject *fields[N_FIELDS] = {
+        Py_NewRef(index), Py_NewRef(label), Py_NewRef(name), Py_NewRef(PyTuple_GET_ITEM(entry, E_ATEN)),
+        Py_NewRef(row_kind), Py_NewRef(pl.phase), Py_NewRef(pl.fwd_op), Py_NewRef(pl.address), Py_NewRef(pl.stack),
+        Py_NewRef(pl.call), Py_NewRef(out_shapes), Py_NewRef(dtype), Py_NewRef(device), bytes,
+        Py_NewRef(in_shapes), parents_tuple, Py_NewRef(mutates ? Py_True : Py_False), Py_NewRef(flops), Py_NewRef(t0), duration,
+        Py_NewRef(pl.source), params_tuple,
+    };
+    for (int i = 0; i < N_FIELDS; i++)
+        PyTuple_SET_ITEM(row, g_slot[i], fields[i]);
+    untrack_atomic(parents_tuple);
+    untrack_atomic(params_tuple);
+    untrack_atomic(pl.stack); /* a module's address stack: its addresses */
+    untrack_atomic(row);
+    if (PyList_Append(self->rows, row) < 0)
+        goto cleanup;
+
+    if (n_out > 0) {
+        PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
+        if (grad == NULL)
+            goto cleanup;
+        int enabled = grad == Py_True;
+        Py_DECREF(grad);
+        if (enabled) {
+            PyObject *next = PyTuple_Pack(2, link, outs);
+            int rc = next == NULL ? -1 : PyObject_SetAttr(self->rec, s_pending, next);
+            Py_XDECREF(next);
+            if (rc < 0)
+                goto cleanup;
+        }
+    }
+    if (n_out > 0 && self->stats_on) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->out_stats, index, outs, row, NULL);
+        if (r == NULL)
+            goto cleanup;
+        Py_DECREF(r);
+    }
+    PyObject *next_index = PyLong_FromLong(idx + 1);
+    int rc = next_index == NULL ? -1 : PyObject_SetAttr(self->rec, s_n_ops, next_index);
+    Py_XDECREF(next_index);
+    if (rc < 0)
+        goto cleanup;
+    result = Py_NewRef(out);
+
+cleanup:
+    Py_XDECREF(tensors);
+    Py_XDECREF(parents);
+    Py_XDECREF(param_names);
+    Py_XDECREF(t0);
+    Py_XDECREF(t1);
+    Py_XDECREF(out);
+    Py_XDECREF(outs);
+    Py_XDECREF(index);
+    Py_XDECREF(label);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    Py_XDECREF(link);
+    Py_XDECREF(in_shapes);
+    Py_XDECREF(out_shapes);
+    Py_XDECREF(flops);
+    Py_XDECREF(row);
+    place_clear(&pl);
+    Py_XDECREF(count);
+    Py_XDECREF(pending);
+    Py_XDECREF(written);
+    if (slow && !PyErr_Occurred())
+        result = call_slow(self, func, args, kwargs, 0);
+    Py_XDECREF(empty_args);
+    return result;
+}
+
+/* -- the FastOp type ------------------------------------------------------------------------------------ */
+
+static int
+fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *rec, *mode;
+    if (!PyArg_ParseTuple(args, "OO:FastOp", &rec, &mode))
+        return -1;
+    if (g_entries == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "tl_dist._fastop: configure() was not called (import tl_dist._fastpath)");
+        return -1;
+    }
+    PyObject *modules = PyObject_GetAttrString(rec, "modules");
+    PyObject *training = modules == NULL ? NULL : PyObject_GetAttrString(rec, "training");
+    PyObject *phases = training == NULL ? NULL : PyObject_GetAttrString(rec, "phases");
+    if (phases == NULL) {
+        Py_XDECREF(modules);
+        Py_XDECREF(training);
+        return -1;
+    }
+    self->rec = Py_NewRef(rec);
+    self->mode = PyWeakref_NewRef(mode, NULL);
+    if (self->mode == NULL) {
+        Py_DECREF(modules);
+        Py_DECREF(training);
+        Py_DECREF(phases);
+        return -1;
+    }
+    self->modules = modules;
+    self->training = training;
+    self->on_op = PyObject_GetAttrString(rec, "on_op");
+    self->rows = PyObject_GetAttrString(rec, "rows");
+    self->label_counts = PyObject_GetAttrString(rec, "_label_counts");
+    self->params = PyObject_GetAttrString(rec, "params");
+    self->writes = PyObject_GetAttrString(rec, "_writes");
+    self->backward_sources = PyObject_GetAttrString(rec, "_backward_sources");
+    self->token = PyObject_GetAttrString(rec, "token");
+    self->written_since = PyObject_GetAttrString(rec, "_written_since");
+    self->record_failure = PyObject_GetAttrString(rec, "_record_failure");
+    self->link_pending = PyObject_GetAttrString(training, "link_pending");
+    self->phase_special = PyObject_GetAttrString(phases, "special");
+    self->recomputed = PyObject_GetAttrString(modules, "recomputed");
+    self->owner_of = PyObject_GetAttrString(modules, "owner_of");
+    self->locate = PyObject_GetAttrString(rec, "locate");
+    self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
+    self->note_writes = PyObject_GetAttrString(rec, "_note_writes");
+    self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
+    PyObject *hooks_on = PyObject_GetAttrString(training, "hooks_on");
+    self->hooks_on = hooks_on == NULL ? -1 : PyObject_IsTrue(hooks_on);
+    Py_XDECREF(hooks_on);
+    if (self->hooks_on < 0)
+        return -1;
+    PyObject *stats_on = PyObject_GetAttrString(rec, "stats_on");
+    self->stats_on = stats_on == NULL ? -1 : PyObject_IsTrue(stats_on);
+    Py_XDECREF(stats_on);
+    if (self->stats_on < 0)
+        return -1;
+    self->in_flight = PyObject_GetAttrString(training, "in_flight");
+    self->out_stats = PyObject_GetAttrString(training, "out_stats");
+    self->arrived = PyObject_GetAttrString(training, "arrived");
+    if (self->in_flight == NULL || self->out_stats == NULL || self->arrived == NULL)
+        return -1;
+    if (!PyDict_Check(self->in_flight)) {
+        PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
+        return -1;
+    }
+    Py_DECREF(phases);
+    if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
+        !self->backward_sources || !self->token || !self->written_since || !self->record_failure ||
+        !self->link_pending || !self->phase_special || !self->recomputed || !self->owner_of ||
+        !self->locate || !self->storage_refs || !self->note_writes || !self->with_written_bases)
+        return -1;
+    if (!PyList_Check(self->rows) || !PyDict_Check(self->label_counts) || !PyDict_Check(self->params) ||
+        !PyDict_Check(self->writes) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs)) {
+        PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
+        return -1;
+    }
+    return 0;
+}
+
+static int
+fastop_clear(FastOp *self)
+{
+    Py_CLEAR(self->rec);
+    Py_CLEAR(self->on_op);
+    Py_CLEAR(self->rows);
+    Py_CLEAR(self->label_counts);
+    Py_CLEAR(self->params);
+    Py_CLEAR(self->writes);
+    Py_CLEAR(self->backward_sources);
+    Py_CLEAR(self->token);
+    Py_CLEAR(self->modules);
+    Py_CLEAR(self->training);
+    Py_CLEAR(self->link_pending);
+    Py_CLEAR(self->written_since);
+    Py_CLEAR(self->record_failure);
+    Py_CLEAR(self->phase_special);
+    Py_CLEAR(self->recomputed);
+    Py_CLEAR(self->owner_of);
+    Py_CLEAR(self->locate);
+    Py_CLEAR(self->mode);
+    Py_CLEAR(self->arrived);
+    Py_CLEAR(self->out_stats);
+    Py_CLEAR(self->in_flight);
+    Py_CLEAR(self->with_written_bases);
+    Py_CLEAR(self->note_writes);
+    Py_CLEAR(self->storage_refs);
+    return 0;
+}
+
+static int
+fastop_traverse(FastOp *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->rec);
+    Py_VISIT(self->on_op);
+    Py_VISIT(self->rows);
+    Py_VISIT(self->label_counts);
+    Py_VISIT(self->params);
+    Py_VISIT(self->writes);
+    Py_VISIT(self->backward_sources);
+    Py_VISIT(self->token);
+    Py_VISIT(self->modules);
+    Py_VISIT(self->training);
+    Py_VISIT(self->link_pending);
+    Py_VISIT(self->written_since);
+    Py_VISIT(self->record_failure);
+    Py_VISIT(self->phase_special);
+    Py_VISIT(self->recomputed);
+    Py_VISIT(self->owner_of);
+    Py_VISIT(self->locate);
+    Py_VISIT(self->mode);
+    Py_VISIT(self->arrived);
+    Py_VISIT(self->out_stats);
+    Py_VISIT(self->in_flight);
+    Py_VISIT(self->with_written_bases);
+    Py_VISIT(self->note_writes);
+    Py_VISIT(self->storage_refs);
+    return 0;
+}
+
+static void
+fastop_dealloc(FastOp *self)
+{
+    PyObject_GC_UnTrack(self);
+    fastop_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* torch checks that a mode's __torch_dispatch__ is bound to the mode: `__self__` says so, without the
+ * strong reference (mode -> its __torch_dispatch__ -> mode) a bound method would make a cycle of. */
+static PyObject *
+fastop_self(FastOp *self, void *closure)
+{
+    PyObject *mode = self->mode == NULL ? Py_None : PyWeakref_GetObject(self->mode);
+    return Py_NewRef(mode);
+}
+
+/* What a post-mortem names as the op in flight (Recorder.on_op's frame says it on the Python path). */
+static PyObject *
+fastop_running(FastOp *self, void *closure)
+{
+    return Py_NewRef(self->running == NULL ? Py_None : self->running);
+}
+
+static PyGetSetDef fastop_getset[] = {
+    {"__self__", (getter)fastop_self, NULL, PyDoc_STR("the mode this dispatches for"), NULL},
+    {"running", (getter)fastop_running, NULL, PyDoc_STR("the OpInfo of the op running now, or None"), NULL},
+    {NULL},
+};
+
+static PyTypeObject FastOpType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tl_dist._fastop.FastOp",
+    .tp_doc = PyDoc_STR("FastOp(recorder, mode): mode's __torch_dispatch__ for recorder, compiled."),
+    .tp_call = fastop_call,
+    .tp_getset = fastop_getset,
+    .tp_basicsize = sizeof(FastOp),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)fastop_init,
+    .tp_dealloc = (destructor)fastop_dealloc,
+    .tp_traverse = (traverseproc)fastop_traverse,
+    .tp_clear = (inquiry)fastop_clear,
+};
+
+/* g_slot from schema.OP_FIELDS's names: each of this extension's values must be there, and nothing else.
+ * Nothing changes when they are not. */
+static int
+set_slots(PyObject *row_fields)
+{
+    int slot[N_FIELDS];
+    if (PyTuple_GET_SIZE(row_fields) != N_FIELDS) {
+        PyErr_Format(PyExc_ValueError, "tl_dist._fastop builds rows of %d fields; schema.OP_FIELDS has %zd",
+                     N_FIELDS, PyTuple_GET_SIZE(row_fields));
+        return -1;
+    }
+    for (int k = 0; k < N_FIELDS; k++) {
+        slot[k] = -1;
+        for (Py_ssize_t pos = 0; pos < N_FIELDS; pos++) {
+            PyObject *name = PyTuple_GET_ITEM(row_fields, pos);
+            if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, FIELD_NAMES[k]) == 0)
+                slot[k] = (int)pos;
+        }
+        if (slot[k] < 0) {
+            PyErr_Format(PyExc_ValueError, "schema.OP_FIELDS has no field %s, which tl_dist._fastop fills",
+                         FIELD_NAMES[k]);
+            return -1;
+        }
+    }
+    memcpy(g_slot, slot, sizeof(slot));
+    return 0;
+}
+
+static PyObject *
+fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"tensor_type", "parameter_type", "entries", "make_entry", "dtype_names",
+                            "device_names", "dtype_name", "device_name", "flat_outputs", "shape_of",
+                            "flop_count", "graph_task_id", "grad_enabled", "current_node",
+                            "accumulating_param", "perf_counter_ns", "tag", "row_fields", NULL};
+    PyObject *v[17], *row_fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOUO!:configure", names, &v[0], &v[1],
+                                     &PyDict_Type, &v[2], &v[3], &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6],
+                                     &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16],
+                                     &PyTuple_Type, &row_fields))
+        return NULL;
+    if (set_slots(row_fields) < 0)
+        return NULL;
+    PyObject **slots[17] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
+                            &g_device_names, &g_dtype_name, &g_device_name, &g_flat_outputs, &g_shape_of,
+                            &g_flop_count, &g_graph_task_id, &g_grad_enabled, &g_current_node,
+                            &g_accumulating_param, &g_perf_counter_ns, &g_tag};
+    for (int i = 0; i < 17; i++)
+        Py_XSETREF(*slots[i], Py_NewRef(v[i]));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))fastop_configure, METH_VARARGS | METH_KEYWORDS,
+     PyDoc_STR("configure(**objects): the torch and tl_dist objects the fast path calls (once, at import).")},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef fastop_module = {
+    PyModuleDef_HEAD_INIT, "_fastop", "The compiled per-op path of a telemetry window.", -1, module_methods,
+};
+
+#define INTERN(var, text)                                                                                   \
+    if ((var = PyUnicode_InternFromString(text)) == NULL)                                                   \
+        return NULL;
+
+PyMODINIT_FUNC
+PyInit__fastop(void)
+{
+    INTERN(s_pending, "pending");
+    INTERN(s_n_ops, "n_ops");
+    INTERN(s_edits, "edits");
+    INTERN(s_phase, "phase");
+    INTERN(s_last_write, "_last_write");
+    INTERN(s_hooks_on, "hooks_on");
+    INTERN(s_grad_fn, "grad_fn");
+    INTERN(s_metadata, "metadata");
+    INTERN(s_dtype, "dtype");
+    INTERN(s_device, "device");
+    INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_is_cuda, "is_cuda");
+    INTERN(s_shape, "shape");
+    INTERN(s_nelement, "nelement");
+    INTERN(s_element_size, "element_size");
+    INTERN(s_current, "current");
+    INTERN(s_cpu, "cpu");
+    INTERN(s_factory, "factory");
+    INTERN(s_other, "other");
+    INTERN(s_view, "view");
+    INTERN(s_backward, "backward");
+    INTERN(s_recompute, "recompute");
+    INTERN(s_empty, "");
+    INTERN(s_current_builtin, "current_builtin");
+    INTERN(s_current_source, "current_source");
+    INTERN(s_step_source, "step_source");
+    INTERN(s_optimizer, "optimizer");
+    INTERN(s_untyped_storage, "untyped_storage");
+    INTERN(s_nbytes, "nbytes");
+    INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_base, "_base");
+    if ((g_labels = PyDict_New()) == NULL)
+        return NULL;
+    if (PyType_Ready(&FastOpType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&fastop_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "FastOp", (PyObject *)&FastOpType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

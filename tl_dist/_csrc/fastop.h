@@ -1,0 +1,81 @@
+/* Shared by the two halves of the compiled per-op path (tl_dist/_fastpath.py): record.c, what one op's row
+ * is made of, and fastop.c, the dispatch that builds it, the FastOp type and the module. */
+#ifndef TL_DIST_FASTOP_H
+#define TL_DIST_FASTOP_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Set once by configure(). */
+extern PyObject *g_tensor_type, *g_parameter_type;
+extern PyObject *g_entries;      /* id(func) -> entry tuple, or None for an op that always takes the slow path */
+extern PyObject *g_make_entry;   /* func -> entry tuple or None */
+extern PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
+extern PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
+extern PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
+extern PyObject *g_perf_counter_ns, *g_current_node;
+extern PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
+extern PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
+
+/* Interned names. */
+extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_grad_fn, *s_metadata,
+    *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
+    *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
+    *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
+    *s_data_ptr, *s_base;
+
+/* Entry tuple layout, built by _fastpath.make_entry. */
+enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SIZE };
+
+/* The values of a row, named as in schema.OP_FIELDS; their positions in the row come from that list at
+ * configure() (g_slot), so the schema's order is written down once. */
+enum {
+    F_INDEX, F_LABEL, F_FUNC, F_ATEN, F_KIND, F_PHASE, F_FWD_OP, F_MODULE, F_MODULE_STACK, F_MODULE_CALL,
+    F_OUT_SHAPES, F_DTYPE, F_DEVICE, F_OUT_BYTES, F_IN_SHAPES, F_PARENTS, F_INPLACE, F_FLOPS, F_START_NS,
+    F_DURATION_NS, F_SOURCE, F_PARAMS, N_FIELDS
+};
+extern int g_slot[N_FIELDS]; /* F_* -> position in the row */
+
+/* One window's compiled recorder. Every Python callable it holds is also in _fastpath._called_from_c (hidden
+ * from Dynamo). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *rec;              /* the Recorder */
+    PyObject *on_op;            /* rec.on_op: the slow path */
+    PyObject *rows, *label_counts, *params, *writes, *backward_sources, *token;
+    PyObject *modules, *training;
+    PyObject *link_pending, *written_since, *record_failure, *phase_special, *recomputed, *owner_of;
+    PyObject *locate;           /* rec.locate: the user's file:line of an op, or None when not recorded */
+    PyObject *mode;             /* weak reference to the mode this is the __torch_dispatch__ of */
+    PyObject *storage_refs;     /* rec._storage_refs: saved tensors to copy before a write (saving windows) */
+    PyObject *note_writes, *with_written_bases;
+    int hooks_on;               /* training.hooks_on: gradient hooks on each output's node (fixed per window) */
+    int stats_on;               /* rec.stats_on: output statistics (TrainingState.out_stats, in Python) */
+    PyObject *in_flight, *out_stats, *arrived; /* training's collectives awaiting their statistics */
+    PyObject *running;          /* borrowed: the OpInfo of the op running now (a post-mortem names it), or NULL */
+} FastOp;
+
+/* Where an op ran: its phase, the forward op it differentiates, its module (address, stack, call) and source,
+ * by Recorder.on_op's rules: outside the autograd engine, checkpoint recomputation, backward. */
+struct place {
+    PyObject *phase, *fwd_op, *address, *stack, *call, *source;
+};
+
+PyObject * now_ns(void);
+int is_tensor(PyObject *o);
+void untrack_atomic(PyObject *t);
+PyObject * entry_of(PyObject *func);
+int link_pending(FastOp *self, PyObject *pending);
+PyObject * label_of(PyObject *name, long n);
+PyObject * mutated_tensors(PyObject *mutated, PyObject *args, PyObject *kwargs);
+int any_base(PyObject *written);
+PyObject * shapes_of(PyObject *tensors, int fallback);
+PyObject * call_slow(FastOp *self, PyObject *func, PyObject *args, PyObject *kwargs, int subclass);
+PyObject * input_tensors(PyObject *args, PyObject *kwargs);
+int scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names);
+PyObject * run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwargs);
+int describe_outputs(PyObject *outs, PyObject *token, PyObject *index, PyObject **dtype, PyObject **device,
+                 long long *out_bytes, PyObject **link);
+void place_clear(struct place *pl);
+int place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl);
+
+#endif

@@ -1,0 +1,692 @@
+/* What one op's row is made of: inputs, outputs and their tags, where the op ran (phase, module, source),
+ * the links autograd nodes carry, the in-place write log's checks. Each helper follows the Python rule it
+ * names in tl_dist/_recorder.py, tl_dist/training.py or tl_dist/_opinfo.py. */
+#include "fastop.h"
+
+#include <time.h>
+
+static int
+lookup_attr(PyObject *obj, PyObject *name, PyObject **result)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, result);
+#else
+    return _PyObject_LookupAttr(obj, name, result);
+#endif
+}
+
+PyObject *
+now_ns(void)
+{
+#if defined(__linux__)
+    /* time.perf_counter_ns() is CLOCK_MONOTONIC on Linux; the rest of tl_dist compares against it. */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+#else
+    return PyObject_CallNoArgs(g_perf_counter_ns);
+#endif
+}
+
+int
+is_tensor(PyObject *o)
+{
+    /* isinstance(o, torch.Tensor): torch's metaclass does not override the check, so a subtype test is it. */
+    return PyObject_TypeCheck(o, (PyTypeObject *)g_tensor_type);
+}
+
+/* Takes a tuple of atoms (ints, strs, tuples already untracked) off the cyclic GC's list, as the GC's own
+ * first pass over it would: the window's rows then cost that pass nothing when the window closes. */
+void
+untrack_atomic(PyObject *t)
+{
+    if (!PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t))
+        return;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *item = PyTuple_GET_ITEM(t, i);
+        if (PyObject_IS_GC(item) && PyObject_GC_IsTracked(item))
+            return;
+    }
+    PyObject_GC_UnTrack(t);
+}
+
+/* The entry of func: a tuple, Py_None (slow path), or NULL with an error set. Borrowed. */
+PyObject *
+entry_of(PyObject *func)
+{
+    PyObject *key = PyLong_FromVoidPtr(func);
+    if (key == NULL)
+        return NULL;
+    PyObject *entry = PyDict_GetItemWithError(g_entries, key);
+    if (entry != NULL && (entry == Py_None || PyTuple_GET_ITEM(entry, E_FUNC) == func)) {
+        Py_DECREF(key);
+        return entry;
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *made = PyObject_CallOneArg(g_make_entry, func);
+    if (made == NULL || PyDict_SetItem(g_entries, key, made) < 0) {
+        Py_XDECREF(made);
+        Py_DECREF(key);
+        return NULL;
+    }
+    Py_DECREF(key);
+    Py_DECREF(made); /* the dict holds it */
+    return made;
+}
+
+/* Tags the autograd node of the previous op's single output with that op (TrainingState.link_pending's
+ * common case); anything else calls it. */
+int
+link_pending(FastOp *self, PyObject *pending)
+{
+    int hooks = self->hooks_on;
+    PyObject *outs = PyTuple_Check(pending) && PyTuple_GET_SIZE(pending) == 2 ? PyTuple_GET_ITEM(pending, 1) : NULL;
+    if (hooks || outs == NULL || !PyList_Check(outs) || PyList_GET_SIZE(outs) != 1) {
+        PyObject *r = PyObject_CallNoArgs(self->link_pending);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    PyObject *link = PyTuple_GET_ITEM(pending, 0);
+    Py_INCREF(pending); /* keeps link and outs alive past the reset */
+    if (PyObject_SetAttr(self->rec, s_pending, Py_None) < 0) {
+        Py_DECREF(pending);
+        return -1;
+    }
+    int rc = -1;
+    PyObject *node = PyObject_GetAttr(PyList_GET_ITEM(outs, 0), s_grad_fn);
+    if (node == NULL)
+        goto done;
+    if (node == Py_None) {
+        rc = 0;
+        goto done;
+    }
+    PyObject *meta = PyObject_GetAttr(node, s_metadata);
+    if (meta == NULL)
+        goto done;
+    PyObject *old = PyDict_Check(meta) ? Py_XNewRef(PyDict_GetItemWithError(meta, g_tag)) : PyObject_GetItem(meta, g_tag);
+    if (old == NULL) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_KeyError)) {
+            Py_DECREF(meta);
+            goto done;
+        }
+        PyErr_Clear();
+    }
+    PyObject *token = PyTuple_GET_ITEM(link, 0);
+    if (old == NULL || old == Py_None || !PyTuple_Check(old) || PyTuple_GET_SIZE(old) < 1 ||
+        PyTuple_GET_ITEM(old, 0) != token)
+        rc = PyObject_SetItem(meta, g_tag, link);
+    else
+        rc = 0;
+    Py_XDECREF(old);
+    Py_DECREF(meta);
+done:
+    Py_XDECREF(node);
+    Py_DECREF(pending);
+    return rc;
+}
+
+/* Appends each distinct value of an int-like op index to parents (a list kept in first-seen order). */
+static int
+add_parent(PyObject *parents, PyObject *op)
+{
+    Py_ssize_t n = PyList_GET_SIZE(parents);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int eq = PyObject_RichCompareBool(PyList_GET_ITEM(parents, i), op, Py_EQ);
+        if (eq != 0)
+            return eq < 0 ? -1 : 0;
+    }
+    return PyList_Append(parents, op);
+}
+
+/* storage_key(t): the address of t's storage, or NULL with no error when it has none to write (sparse, an
+ * empty storage, a wrapper subclass); NULL with an error set for anything else. */
+static PyObject *
+storage_key(PyObject *t)
+{
+    PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
+    PyObject *key = NULL;
+    if (storage != NULL) {
+        PyObject *nbytes = PyObject_CallMethodNoArgs(storage, s_nbytes);
+        int empty = nbytes == NULL ? -1 : !PyObject_IsTrue(nbytes);
+        Py_XDECREF(nbytes);
+        if (empty == 0)
+            key = PyObject_CallMethodNoArgs(storage, s_data_ptr);
+        Py_DECREF(storage);
+        if (empty == 1)
+            return NULL;
+    }
+    if (key == NULL && (PyErr_ExceptionMatches(PyExc_NotImplementedError) || PyErr_ExceptionMatches(PyExc_RuntimeError)))
+        PyErr_Clear();
+    return key;
+}
+
+/* Adds to parents the latest in-place write into t's memory after op `since`, as Recorder.on_op does. Most
+ * inputs' memory was never written in the window: that is checked here, Recorder._written_since does the rest. */
+static int
+add_writer(FastOp *self, PyObject *parents, PyObject *t, PyObject *since)
+{
+    PyObject *key = storage_key(t);
+    if (key == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    int written = PyDict_Contains(self->writes, key);
+    Py_DECREF(key);
+    if (written <= 0)
+        return written;
+    PyObject *writer = PyObject_CallFunctionObjArgs(self->written_since, t, since, NULL);
+    if (writer == NULL)
+        return -1;
+    long w = PyLong_AsLong(writer);
+    int rc = (w == -1 && PyErr_Occurred()) ? -1 : (w >= 0 ? add_parent(parents, writer) : 0);
+    Py_DECREF(writer);
+    return rc;
+}
+
+/* The label of the n-th call of a func in a window, the same string object in every window. */
+PyObject *
+label_of(PyObject *name, long n)
+{
+    PyObject *labels = PyDict_GetItemWithError(g_labels, name);
+    if (labels == NULL) {
+        if (PyErr_Occurred() || (labels = PyList_New(0)) == NULL)
+            return NULL;
+        int rc = PyDict_SetItem(g_labels, name, labels);
+        Py_DECREF(labels); /* the dict holds it */
+        if (rc < 0)
+            return NULL;
+    }
+    while (PyList_GET_SIZE(labels) < n) {
+        PyObject *label = PyUnicode_FromFormat("%U_%zd", name, PyList_GET_SIZE(labels) + 1);
+        int rc = label == NULL ? -1 : PyList_Append(labels, label);
+        Py_XDECREF(label);
+        if (rc < 0)
+            return NULL;
+    }
+    return Py_NewRef(PyList_GET_ITEM(labels, n - 1));
+}
+
+/* _opinfo.mutated_tensors: the tensors the op gets in the argument slots it writes into. */
+PyObject *
+mutated_tensors(PyObject *mutated, PyObject *args, PyObject *kwargs)
+{
+    PyObject *found = PyList_New(0);
+    if (found == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mutated); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(mutated, i);
+        Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(slot, 0));
+        if (pos == -1 && PyErr_Occurred())
+            goto error;
+        PyObject *value = pos < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, pos)
+                          : kwargs != NULL ? PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(slot, 1))
+                                           : NULL;
+        if (value == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            continue;
+        }
+        if (is_tensor(value)) {
+            if (PyList_Append(found, value) < 0)
+                goto error;
+        } else if (PyList_Check(value) || PyTuple_Check(value)) {
+            PyObject *seq = PySequence_Fast(value, "");
+            if (seq == NULL)
+                goto error;
+            for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq); k++) {
+                PyObject *v = PySequence_Fast_GET_ITEM(seq, k);
+                if (is_tensor(v) && PyList_Append(found, v) < 0) {
+                    Py_DECREF(seq);
+                    goto error;
+                }
+            }
+            Py_DECREF(seq);
+        }
+    }
+    return found;
+error:
+    Py_DECREF(found);
+    return NULL;
+}
+
+/* Whether any tensor written is a view (has a _base): only then can the write add outputs. */
+int
+any_base(PyObject *written)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(written); i++) {
+        PyObject *base = PyObject_GetAttr(PyList_GET_ITEM(written, i), s_base);
+        if (base == NULL)
+            return -1;
+        int view = base != Py_None;
+        Py_DECREF(base);
+        if (view)
+            return 1;
+    }
+    return 0;
+}
+
+/* training.backward_link: the forward op whose autograd node is running now, -1 when unknown. */
+static PyObject *
+backward_link(PyObject *token)
+{
+    PyObject *node = PyObject_CallNoArgs(g_current_node);
+    if (node == NULL)
+        return NULL;
+    long fwd = -1;
+    if (node != Py_None) {
+        PyObject *meta = PyObject_GetAttr(node, s_metadata);
+        if (meta == NULL) {
+            Py_DECREF(node);
+            return NULL;
+        }
+        PyObject *link = PyDict_Check(meta) ? Py_XNewRef(PyDict_GetItemWithError(meta, g_tag)) : NULL;
+        Py_DECREF(meta);
+        if (link == NULL && PyErr_Occurred()) {
+            Py_DECREF(node);
+            return NULL;
+        }
+        if (link != NULL && PyTuple_Check(link) && PyTuple_GET_SIZE(link) >= 2 && PyTuple_GET_ITEM(link, 0) == token)
+            fwd = PyLong_AsLong(PyTuple_GET_ITEM(link, 1));
+        Py_XDECREF(link);
+    }
+    Py_DECREF(node);
+    return fwd == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(fwd);
+}
+
+static PyObject *
+shape_tuple(PyObject *t)
+{
+    PyObject *size = PyObject_GetAttr(t, s_shape);
+    if (size == NULL)
+        return NULL;
+    PyObject *shape = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size);
+    Py_DECREF(size);
+    if (shape != NULL)
+        untrack_atomic(shape);
+    return shape;
+}
+
+/* tuple(tuple(t.shape) for t in tensors); falls back to shape_of for every tensor (nested tensors have
+ * ragged sizes that raise RuntimeError) when `fallback` is set. */
+PyObject *
+shapes_of(PyObject *tensors, int fallback)
+{
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    PyObject *shapes = PyTuple_New(n);
+    if (shapes == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(tensors, i);
+        PyObject *s = fallback ? PyObject_CallOneArg(g_shape_of, t) : shape_tuple(t);
+        if (s == NULL) {
+            Py_DECREF(shapes);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shapes, i, s);
+    }
+    untrack_atomic(shapes);
+    return shapes;
+}
+
+static PyObject *
+name_of(PyObject *names, PyObject *fallback_fn, PyObject *key)
+{
+    PyObject *name = PyDict_GetItemWithError(names, key);
+    if (name != NULL && PyObject_IsTrue(name) == 1) {
+        Py_INCREF(name);
+        return name;
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_CallOneArg(fallback_fn, key);
+}
+
+/* The user's file:line issuing the op, or "" when the window records none. */
+static PyObject *
+locate(FastOp *self)
+{
+    return self->locate == Py_None ? Py_NewRef(s_empty) : PyObject_CallNoArgs(self->locate);
+}
+
+/* Recorder.on_op's source of a forward or optimizer op. */
+static PyObject *
+forward_source(FastOp *self, PyObject *phase)
+{
+    if (self->locate == Py_None)
+        return Py_NewRef(s_empty);
+    PyObject *builtin = PyObject_GetAttr(self->modules, s_current_builtin);
+    if (builtin == NULL)
+        return NULL;
+    int inside = PyObject_IsTrue(builtin);
+    Py_DECREF(builtin);
+    if (inside < 0)
+        return NULL;
+    if (inside) /* inside nn.Linear & co: no user frame below its call site */
+        return PyObject_GetAttr(self->modules, s_current_source);
+    int optimizer = PyUnicode_Check(phase) ? PyUnicode_Compare(phase, s_optimizer) : -1;
+    if (optimizer == -1 && PyErr_Occurred())
+        return NULL;
+    if (optimizer == 0) { /* every op of one step() call has that call's source */
+        PyObject *step = PyObject_GetAttr(self->rec, s_step_source);
+        if (step == NULL || step != Py_None)
+            return step;
+        Py_DECREF(step);
+    }
+    return locate(self);
+}
+
+PyObject *
+call_slow(FastOp *self, PyObject *func, PyObject *args, PyObject *kwargs, int subclass)
+{
+    PyObject *kw = kwargs;
+    if (kw == NULL || kw == Py_None)
+        kw = PyDict_New();
+    else
+        Py_INCREF(kw);
+    if (kw == NULL)
+        return NULL;
+    PyObject *r = PyObject_CallFunctionObjArgs(self->on_op, func, args, kw, subclass ? Py_True : Py_False, NULL);
+    Py_DECREF(kw);
+    return r;
+}
+
+/* The op's tensor arguments, positional then keyword (Recorder.on_op's list for ops without tensor lists). */
+PyObject *
+input_tensors(PyObject *args, PyObject *kwargs)
+{
+    PyObject *tensors = PyList_New(0);
+    if (tensors == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        if (is_tensor(a) && PyList_Append(tensors, a) < 0)
+            goto error;
+    }
+    if (kwargs != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            if (is_tensor(v) && PyList_Append(tensors, v) < 0)
+                goto error;
+        }
+    }
+    return tensors;
+error:
+    Py_DECREF(tensors);
+    return NULL;
+}
+
+/* Appends to parents the ops whose outputs (or in-place writes) the op reads, to param_names the parameters. */
+int
+scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names)
+{
+    PyObject *token = self->token;
+    int writes = PyDict_GET_SIZE(self->writes) > 0;
+    long last = -1;
+    if (writes) {
+        PyObject *last_write = PyObject_GetAttr(self->rec, s_last_write);
+        if (last_write == NULL)
+            return -1;
+        last = PyLong_AsLong(last_write);
+        Py_DECREF(last_write);
+        if (last == -1 && PyErr_Occurred())
+            return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); i++) {
+        PyObject *t = PyList_GET_ITEM(tensors, i);
+        PyObject *tag;
+        if (lookup_attr(t, g_tag, &tag) < 0)
+            return -1;
+        int ours = 0;
+        if (tag != NULL && tag != Py_None && PyTuple_Check(tag) && PyTuple_GET_SIZE(tag) >= 3) {
+            ours = PyObject_RichCompareBool(PyTuple_GET_ITEM(tag, 0), token, Py_EQ);
+            if (ours < 0) {
+                Py_DECREF(tag);
+                return -1;
+            }
+        }
+        if (ours) {
+            PyObject *producer = PyTuple_GET_ITEM(tag, 1);
+            int rc = add_parent(parents, producer);
+            if (rc == 0 && writes) {
+                long p = PyLong_AsLong(producer);
+                if (p == -1 && PyErr_Occurred())
+                    rc = -1;
+                else if (last > p) /* an alias was written in place after t was made */
+                    rc = add_writer(self, parents, t, producer);
+            }
+            Py_DECREF(tag);
+            if (rc < 0)
+                return -1;
+            continue;
+        }
+        Py_XDECREF(tag);
+        PyObject *key = PyLong_FromVoidPtr(t);
+        if (key == NULL)
+            return -1;
+        PyObject *name = PyDict_GetItemWithError(self->params, key);
+        Py_DECREF(key);
+        if ((name == NULL && PyErr_Occurred()) || (name != NULL && PyList_Append(param_names, name) < 0))
+            return -1;
+        if (writes) { /* e.g. a parameter the optimizer updated earlier in the window */
+            PyObject *minus_one = PyLong_FromLong(-1);
+            int rc = minus_one == NULL ? -1 : add_writer(self, parents, t, minus_one);
+            Py_XDECREF(minus_one);
+            if (rc < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* Runs the op; if it raises, the recorder notes the failure (Recorder._record_failure) and the error stands. */
+PyObject *
+run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwargs)
+{
+    PyObject *running = self->running; /* the entry stays in g_entries: the borrowed OpInfo outlives the op */
+    self->running = PyTuple_GET_ITEM(entry, E_INFO);
+    PyObject *out = PyObject_Call(PyTuple_GET_ITEM(entry, E_CALL), args, kwargs);
+    self->running = running;
+    if (out != NULL)
+        return out;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *r = PyObject_CallFunctionObjArgs(self->record_failure, PyTuple_GET_ITEM(entry, E_INFO), value, NULL);
+    if (r == NULL)
+        PyErr_Clear(); /* the op's own error matters more than one in recording it */
+    Py_XDECREF(r);
+    PyErr_Restore(type, value, tb);
+    return NULL;
+}
+
+/* dtype and device of the first output, the bytes of all; tags each output with (token, op, position) and
+ * sets *link: the tag of a single output (also its autograd node's link), else (token, op). */
+int
+describe_outputs(PyObject *outs, PyObject *token, PyObject *index, PyObject **dtype, PyObject **device,
+                 long long *out_bytes, PyObject **link)
+{
+    Py_ssize_t n_out = PyList_GET_SIZE(outs);
+    if (n_out == 0) {
+        *dtype = Py_NewRef(s_empty);
+        *device = Py_NewRef(s_empty);
+        *link = PyTuple_Pack(2, token, index); /* a collective's outputs may still come (Recorder.on_op) */
+        return *link == NULL ? -1 : 0;
+    }
+    PyObject *first = PyList_GET_ITEM(outs, 0);
+    PyObject *dt = PyObject_GetAttr(first, s_dtype);
+    if (dt == NULL)
+        return -1;
+    *dtype = name_of(g_dtype_names, g_dtype_name, dt);
+    Py_DECREF(dt);
+    if (*dtype == NULL)
+        return -1;
+    PyObject *is_cpu = PyObject_GetAttr(first, s_is_cpu);
+    if (is_cpu == NULL)
+        return -1;
+    int cpu = PyObject_IsTrue(is_cpu);
+    Py_DECREF(is_cpu);
+    if (cpu < 0)
+        return -1;
+    if (cpu) {
+        *device = Py_NewRef(s_cpu);
+    } else {
+        PyObject *dev = PyObject_GetAttr(first, s_device);
+        if (dev == NULL)
+            return -1;
+        *device = name_of(g_device_names, g_device_name, dev);
+        Py_DECREF(dev);
+        if (*device == NULL)
+            return -1;
+    }
+    for (Py_ssize_t pos = 0; pos < n_out; pos++) {
+        PyObject *o = PyList_GET_ITEM(outs, pos);
+        PyObject *ne = PyObject_CallMethodNoArgs(o, s_nelement);
+        PyObject *es = ne == NULL ? NULL : PyObject_CallMethodNoArgs(o, s_element_size);
+        long long a = ne == NULL ? -1 : PyLong_AsLongLong(ne);
+        long long b = es == NULL ? -1 : PyLong_AsLongLong(es);
+        Py_XDECREF(ne);
+        Py_XDECREF(es);
+        if (es == NULL || PyErr_Occurred())
+            return -1;
+        *out_bytes += a * b;
+        PyObject *p = PyLong_FromSsize_t(pos);
+        PyObject *tag = p == NULL ? NULL : PyTuple_Pack(3, token, index, p);
+        Py_XDECREF(p);
+        if (tag == NULL)
+            return -1;
+        untrack_atomic(tag);
+        int rc = PyObject_SetAttr(o, g_tag, tag);
+        if (n_out == 1)
+            *link = tag;
+        else
+            Py_DECREF(tag);
+        if (rc < 0)
+            return -1;
+    }
+    if (n_out != 1 && (*link = PyTuple_Pack(2, token, index)) == NULL)
+        return -1;
+    return 0;
+}
+
+
+void
+place_clear(struct place *pl)
+{
+    Py_CLEAR(pl->phase);
+    Py_CLEAR(pl->fwd_op);
+    Py_CLEAR(pl->address);
+    Py_CLEAR(pl->stack);
+    Py_CLEAR(pl->call);
+    Py_CLEAR(pl->source);
+}
+
+int
+place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
+{
+    PyObject *task = NULL, *owner = NULL;
+    PyObject *name = PyTuple_GET_ITEM(entry, E_NAME), *token = self->token;
+    int rc = -1;
+    task = PyObject_CallNoArgs(g_graph_task_id);
+    if (task == NULL)
+        goto done;
+    long task_id = PyLong_AsLong(task);
+    if (task_id == -1 && PyErr_Occurred())
+        goto done;
+    PyObject *modules = self->modules;
+    if (task_id == -1) {
+        pl->phase = PyObject_GetAttr(self->rec, s_phase);
+        if (pl->phase == NULL)
+            goto done;
+        if (PyTuple_GET_ITEM(entry, E_SPECIAL) == Py_True) {
+            PyObject *p = PyObject_CallFunctionObjArgs(self->phase_special, name, args, pl->phase, NULL);
+            if (p == NULL)
+                goto done;
+            Py_SETREF(pl->phase, p);
+        }
+        pl->fwd_op = PyLong_FromLong(-1);
+        PyObject *current = PyObject_GetAttr(modules, s_current);
+        if (current == NULL)
+            goto done;
+        if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 3) {
+            Py_DECREF(current);
+            PyErr_SetString(PyExc_TypeError, "tl_dist: ModuleTracker.current must be (pl->address, pl->stack, pl->call)");
+            goto done;
+        }
+        pl->address = Py_NewRef(PyTuple_GET_ITEM(current, 0));
+        pl->stack = Py_NewRef(PyTuple_GET_ITEM(current, 1));
+        pl->call = Py_NewRef(PyTuple_GET_ITEM(current, 2));
+        Py_DECREF(current);
+        if (pl->fwd_op == NULL || (pl->source = forward_source(self, pl->phase)) == NULL)
+            goto done;
+    } else {
+        PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
+        if (grad == NULL)
+            goto done;
+        int enabled = grad == Py_True;
+        Py_DECREF(grad);
+        PyObject *recomputed = NULL;
+        if (enabled && (recomputed = PyObject_CallNoArgs(self->recomputed)) == NULL)
+            goto done;
+        if (recomputed != NULL && recomputed != Py_None) {
+            /* Checkpoint recomputation: forward code run again by the engine. */
+            owner = recomputed;
+            pl->phase = Py_NewRef(s_recompute);
+            pl->fwd_op = PyLong_FromLong(-1);
+            pl->call = PyLong_FromLong(-1);
+        } else {
+            Py_XDECREF(recomputed);
+            pl->phase = Py_NewRef(s_backward);
+            pl->fwd_op = backward_link(token);
+            pl->call = PyLong_FromLong(-1);
+            if (pl->fwd_op == NULL || pl->call == NULL)
+                goto done;
+            long fwd = PyLong_AsLong(pl->fwd_op);
+            if (fwd == -1 && PyErr_Occurred())
+                goto done;
+            if (fwd >= 0) { /* the module of the forward op this op differentiates */
+                PyObject *forward_row = PyList_GetItem(self->rows, fwd);
+                if (forward_row == NULL)
+                    goto done;
+                pl->address = Py_NewRef(PyTuple_GET_ITEM(forward_row, g_slot[F_MODULE]));
+                pl->stack = Py_NewRef(PyTuple_GET_ITEM(forward_row, g_slot[F_MODULE_STACK]));
+            } else {
+                PyObject *param = PyObject_CallNoArgs(g_accumulating_param);
+                if (param == NULL)
+                    goto done;
+                owner = PyObject_CallOneArg(self->owner_of, param);
+                Py_DECREF(param);
+                if (owner == NULL)
+                    goto done;
+            }
+        }
+        if (owner != NULL) {
+            if (!PyTuple_Check(owner) || PyTuple_GET_SIZE(owner) != 2) {
+                PyErr_SetString(PyExc_TypeError, "tl_dist: a module owner must be (pl->address, pl->stack)");
+                goto done;
+            }
+            pl->address = Py_NewRef(PyTuple_GET_ITEM(owner, 0));
+            pl->stack = Py_NewRef(PyTuple_GET_ITEM(owner, 1));
+        }
+        if (pl->fwd_op == NULL || pl->call == NULL)
+            goto done;
+        if (pl->phase == s_backward) {
+            /* Every op of one backward pass has the same Python stack above the engine. */
+            pl->source = Py_XNewRef(PyDict_GetItemWithError(self->backward_sources, task));
+            if (pl->source == NULL) {
+                if (PyErr_Occurred() || (pl->source = locate(self)) == NULL ||
+                    PyDict_SetItem(self->backward_sources, task, pl->source) < 0)
+                    goto done;
+            }
+        } else if ((pl->source = locate(self)) == NULL) {
+            goto done;
+        }
+    }
+
+    rc = 0;
+done:
+    return rc;
+}
