@@ -9,6 +9,8 @@ module table and a failing op's record must be equal too.
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import weakref
 
 import pytest
@@ -20,7 +22,7 @@ from zoo import ZOO
 import tl_dist as tl
 from tl_dist import _fastpath
 
-pytestmark = pytest.mark.skipif(
+needs_extension = pytest.mark.skipif(
     _fastpath._fastop is None,
     reason="tl_dist._fastop is not built (no C compiler when tl_dist was installed)",
 )
@@ -72,6 +74,7 @@ def _training_step(model_fn, x_fn, *, foreach: bool):  # noqa: ANN001, ANN202
     return build
 
 
+@needs_extension
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
 @pytest.mark.parametrize(
     "name, model_fn, x_fn",
@@ -109,6 +112,7 @@ class _First(nn.Module):
         return self.inner(x)[0]
 
 
+@needs_extension
 @pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 def test_zoo_forward_rows_match(monkeypatch: pytest.MonkeyPatch, entry, grad: bool) -> None:  # noqa: ANN001
@@ -125,6 +129,7 @@ def test_zoo_forward_rows_match(monkeypatch: pytest.MonkeyPatch, entry, grad: bo
     _assert_same(monkeypatch, build, source=False)
 
 
+@needs_extension
 def test_statistics_windows_match(monkeypatch: pytest.MonkeyPatch) -> None:
     build = _training_step(
         lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)),
@@ -136,6 +141,7 @@ def test_statistics_windows_match(monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_same(monkeypatch, build, stats=tl.func("addmm"))
 
 
+@needs_extension
 def test_checkpoint_recompute_rows_match(monkeypatch: pytest.MonkeyPatch) -> None:
     def build():  # noqa: ANN202
         block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
@@ -150,6 +156,7 @@ def test_checkpoint_recompute_rows_match(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "recompute" in trace.columns["phase"]
 
 
+@needs_extension
 def test_factory_kwargs_and_multi_output_ops_match(monkeypatch: pytest.MonkeyPatch) -> None:
     def build():  # noqa: ANN202
         def run() -> None:
@@ -178,6 +185,7 @@ def test_factory_kwargs_and_multi_output_ops_match(monkeypatch: pytest.MonkeyPat
     assert trace.columns["parents"][total] == (fill,)
 
 
+@needs_extension
 def test_failing_op_is_recorded_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     failures = []
     for pure in (True, False):
@@ -192,6 +200,7 @@ def test_failing_op_is_recorded_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     assert failures[1]["func"] == "mm" and failures[1]["index"] == 1
 
 
+@needs_extension
 def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
     model = nn.Linear(4, 4)
@@ -208,6 +217,7 @@ def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch
         gc.enable()
 
 
+@needs_extension
 def test_windows_that_need_python_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
     with tl.capture(save=True) as cap:  # saved outputs and their replay records: Recorder.on_op
@@ -215,6 +225,7 @@ def test_windows_that_need_python_take_it(monkeypatch: pytest.MonkeyPatch) -> No
     assert "__torch_dispatch__" not in cap._mode.__dict__
 
 
+@needs_extension
 def test_a_schema_the_extension_cannot_fill_is_refused_whole() -> None:
     names = _fastpath.CONFIG["row_fields"]
     renamed = tuple("parameters" if n == "params" else n for n in names)
@@ -229,3 +240,12 @@ def test_a_schema_the_extension_cannot_fill_is_refused_whole() -> None:
     assert cap.trace.columns["label"] == ["relu_1", "neg_1"]
     assert cap.trace.columns["parents"] == [(), (0,)]
     assert cap.trace.columns["params"] == [(), ()]
+
+
+def test_the_extension_is_built_where_a_c_compiler_is() -> None:
+    # Where `pip install` had a compiler (CI, `make test`), the compiled path must be there and match this
+    # tl_dist: a stale or failed build would otherwise pass every other test here by skipping it.
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the Python path is the only one")
+    assert _fastpath._fastop is not None
+    assert _fastpath.available() or os.environ.get(_fastpath.PURE_PYTHON_ENV) == "1"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ def _called_from_c(recorder: Any) -> list[Any]:
 
 
 if _fastop is not None:
-    assert _KEY == TAG, "_fastop.c uses one name for the tensor tag and the autograd-node key"
+    assert _KEY == TAG, "tl_dist/_csrc uses one name for the tensor tag and the autograd-node key"
     # What the extension calls and reads; configure() takes them once (tests reconfigure it from here).
     CONFIG = dict(
         tensor_type=torch.Tensor,
@@ -95,4 +96,13 @@ if _fastop is not None:
         tag=TAG,
         row_fields=field_names(OP_FIELDS),  # the extension fills each row in this order, by name
     )
-    _fastop.configure(**CONFIG)
+    try:
+        _fastop.configure(**CONFIG)
+    except (TypeError, ValueError) as exc:  # built from other sources than these (a stale in-place build)
+        warnings.warn(
+            f"tl_dist: the compiled per-op path does not match this tl_dist ({exc}); every op is recorded in "
+            "Python. Reinstall tl_dist (`pip install .`, or `make install`) to rebuild it.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        _fastop = None
