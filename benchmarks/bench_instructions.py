@@ -54,7 +54,10 @@ def worker(mode: str, model_name: str, steps: int) -> None:
         model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
         x = torch.randn(2, 8, 32)
     else:
-        model, x = ResNet18(num_classes=10).train(), torch.randn(1, 3, 32, 32)
+        model, x = (
+            ResNet18(num_classes=10).train(),
+            torch.randn(2, 3, 32, 32),
+        )  # 2: BatchNorm needs more than one value
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
     def run() -> None:

@@ -173,6 +173,11 @@ def test_factory_kwargs_and_multi_output_ops_match(monkeypatch: pytest.MonkeyPat
             z = a * 1
             z[:, 0] = 0  # fill_ into a view of z: z becomes an output of fill_
             z.sum()
+            w = torch.zeros(2, 4)
+            v0 = w[0]
+            w[0].add_(1)  # two writes into one storage, disjoint rows: both stay in its write log
+            w[1].add_(1)
+            v0 * 1  # reads the first write, not the second
 
         return run
 
@@ -181,8 +186,11 @@ def test_factory_kwargs_and_multi_output_ops_match(monkeypatch: pytest.MonkeyPat
     relu = trace.labels["relu__1"]
     mul = next(i for i in range(relu, len(trace)) if trace.columns["func"][i] == "mul")
     assert trace.columns["parents"][mul] == (relu - 1, relu)  # the view, and the write into its memory
-    fill, total = trace.labels["fill__1"], len(trace) - 1
+    fill = trace.labels["fill__1"]
+    total = next(i for i in range(fill, len(trace)) if trace.columns["func"][i] == "sum")
     assert trace.columns["parents"][total] == (fill,)
+    first, last = trace.labels["add__1"], len(trace) - 1
+    assert trace.columns["parents"][last] == (first - 2, first)  # v0's select, and the first add_
 
 
 @needs_extension

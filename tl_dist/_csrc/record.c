@@ -250,6 +250,92 @@ error:
     return NULL;
 }
 
+/* One tensor's write into `storage` (note_writes). */
+static int
+note_write(FastOp *self, PyObject *index, PyObject *t, PyObject *storage)
+{
+    PyObject *nbytes = PyObject_CallMethodNoArgs(storage, s_nbytes);
+    int empty = nbytes == NULL ? -1 : !PyObject_IsTrue(nbytes);
+    Py_XDECREF(nbytes);
+    PyObject *key = empty == 0 ? PyObject_CallMethodNoArgs(storage, s_data_ptr) : NULL;
+    if (key == NULL) { /* storage_address: no address to key the log by */
+        if (empty == 1)
+            return 0;
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = -1;
+    PyObject *entry = NULL, *extent = PyObject_CallOneArg(g_byte_extent, t);
+    if (extent == NULL || !PyTuple_Check(extent) || PyTuple_GET_SIZE(extent) != 2) {
+        if (extent != NULL)
+            PyErr_SetString(PyExc_TypeError, "tl_dist: byte_extent must return (first, end)");
+        goto done;
+    }
+    PyObject *lo = PyTuple_GET_ITEM(extent, 0), *hi = PyTuple_GET_ITEM(extent, 1);
+    int none = PyObject_RichCompareBool(hi, lo, Py_LE);
+    if (none != 0) {
+        rc = none < 0 ? -1 : 0;
+        goto done;
+    }
+    if ((entry = PyTuple_Pack(3, index, lo, hi)) == NULL)
+        goto done;
+    untrack_atomic(entry);
+    PyObject *owner = PyDict_GetItemWithError(self->written_storage, key);
+    if (owner == NULL && PyErr_Occurred())
+        goto done;
+    if (owner != NULL && PyWeakref_Check(owner) && PyWeakref_GetObject(owner) == storage) {
+        PyObject *log = PyDict_GetItemWithError(self->writes, key);
+        if (log == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, key);
+            goto done;
+        }
+        rc = PyList_Append(log, entry);
+        goto done;
+    }
+    PyObject *ref = PyWeakref_NewRef(storage, NULL);
+    PyObject *log = ref == NULL ? NULL : PyList_New(1);
+    if (log != NULL) {
+        PyList_SET_ITEM(log, 0, Py_NewRef(entry));
+        rc = PyDict_SetItem(self->written_storage, key, ref) < 0 || PyDict_SetItem(self->writes, key, log) < 0
+                 ? -1
+                 : 0;
+    }
+    Py_XDECREF(ref);
+    Py_XDECREF(log);
+done:
+    Py_XDECREF(entry);
+    Py_XDECREF(extent);
+    Py_DECREF(key);
+    return rc;
+}
+
+/* Recorder._note_writes: the byte range each written tensor covers, logged per storage under op `index`; a
+ * storage other than the one logged at that address (the allocator reused a freed one) starts a new log. */
+int
+note_writes(FastOp *self, PyObject *index, PyObject *written)
+{
+    if (PyObject_SetAttr(self->rec, s_last_write, index) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(written); i++) {
+        PyObject *t = PyList_GET_ITEM(written, i);
+        PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
+        if (storage == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_NotImplementedError)) /* sparse: no one storage */
+                return -1;
+            PyErr_Clear();
+            continue;
+        }
+        int rc = note_write(self, index, t, storage);
+        Py_DECREF(storage);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* Whether any tensor written is a view (has a _base): only then can the write add outputs. */
 int
 any_base(PyObject *written)
