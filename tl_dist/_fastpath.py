@@ -19,16 +19,7 @@ from typing import Any
 
 import torch
 
-from ._common import (
-    DEVICE_NAMES,
-    DTYPE_NAMES,
-    TAG,
-    byte_extent,
-    device_name,
-    dtype_name,
-    flat_outputs,
-    shape_of,
-)
+from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
 from ._modules import hidden_from_dynamo
 from ._opinfo import flop_count, op_info
 from ._phases import SPECIAL, accumulating_param
@@ -73,17 +64,8 @@ def _called_from_c(recorder: Any) -> list[Any]:
     compiled DDP's forward): new frames and graph breaks in the window. Marked again at every window, as the
     mode is: ``torch._dynamo.reset()`` may drop the marks."""
     training, modules = recorder.training, recorder.modules
-    called = [
-        _entry,
-        flat_outputs,
-        shape_of,
-        flop_count,
-        dtype_name,
-        device_name,
-        accumulating_param,
-        byte_extent,
-    ]
-    called += [recorder.on_op, recorder._written_since, recorder._record_failure]
+    called = [_entry, flat_outputs, shape_of, flop_count, dtype_name, device_name, accumulating_param]
+    called += [recorder.on_op, recorder._written_since, recorder._record_failure, recorder._note_writes]
     called += [recorder._with_written_bases, training.link_pending, training.out_stats, training.arrived]
     called += [recorder.phases.special, modules.recomputed, modules.owner_of]
     if recorder.locate is not None:
@@ -111,7 +93,6 @@ if _fastop is not None:
         current_node=torch._C._current_autograd_node,
         accumulating_param=accumulating_param,
         perf_counter_ns=time.perf_counter_ns,
-        byte_extent=byte_extent,
         tag=TAG,
         row_fields=field_names(OP_FIELDS),  # the extension fills each row in this order, by name
     )

@@ -31,7 +31,7 @@ PyObject *g_make_entry;   /* func -> entry tuple or None */
 PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
-PyObject *g_perf_counter_ns, *g_current_node, *g_byte_extent;
+PyObject *g_perf_counter_ns, *g_current_node;
 PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_grad_fn, *s_metadata,
@@ -184,8 +184,10 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     }
 
     if (mutates) {
-        if (note_writes(self, index, written) < 0)
+        PyObject *r = PyObject_CallFunctionObjArgs(self->note_writes, index, written, NULL);
+        if (r == NULL)
             goto cleanup;
+        Py_DECREF(r);
         int views = PyList_GET_SIZE(outs) > 0 ? any_base(written) : 0;
         if (views < 0)
             goto cleanup;
@@ -386,7 +388,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->owner_of = PyObject_GetAttrString(modules, "owner_of");
     self->locate = PyObject_GetAttrString(rec, "locate");
     self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
-    self->written_storage = PyObject_GetAttrString(rec, "_written_storage");
+    self->note_writes = PyObject_GetAttrString(rec, "_note_writes");
     self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
     PyObject *hooks_on = PyObject_GetAttrString(training, "hooks_on");
     self->hooks_on = hooks_on == NULL ? -1 : PyObject_IsTrue(hooks_on);
@@ -411,11 +413,10 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
         !self->backward_sources || !self->token || !self->written_since || !self->record_failure ||
         !self->link_pending || !self->phase_special || !self->recomputed || !self->owner_of ||
-        !self->locate || !self->storage_refs || !self->written_storage || !self->with_written_bases)
+        !self->locate || !self->storage_refs || !self->note_writes || !self->with_written_bases)
         return -1;
     if (!PyList_Check(self->rows) || !PyDict_Check(self->label_counts) || !PyDict_Check(self->params) ||
-        !PyDict_Check(self->writes) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs) ||
-        !PyDict_Check(self->written_storage)) {
+        !PyDict_Check(self->writes) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs)) {
         PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
         return -1;
     }
@@ -447,7 +448,7 @@ fastop_clear(FastOp *self)
     Py_CLEAR(self->out_stats);
     Py_CLEAR(self->in_flight);
     Py_CLEAR(self->with_written_bases);
-    Py_CLEAR(self->written_storage);
+    Py_CLEAR(self->note_writes);
     Py_CLEAR(self->storage_refs);
     return 0;
 }
@@ -477,7 +478,7 @@ fastop_traverse(FastOp *self, visitproc visit, void *arg)
     Py_VISIT(self->out_stats);
     Py_VISIT(self->in_flight);
     Py_VISIT(self->with_written_bases);
-    Py_VISIT(self->written_storage);
+    Py_VISIT(self->note_writes);
     Py_VISIT(self->storage_refs);
     return 0;
 }
@@ -560,20 +561,20 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
     static char *names[] = {"tensor_type", "parameter_type", "entries", "make_entry", "dtype_names",
                             "device_names", "dtype_name", "device_name", "flat_outputs", "shape_of",
                             "flop_count", "graph_task_id", "grad_enabled", "current_node",
-                            "accumulating_param", "perf_counter_ns", "byte_extent", "tag", "row_fields", NULL};
-    PyObject *v[18], *row_fields;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOOUO!:configure", names, &v[0], &v[1],
+                            "accumulating_param", "perf_counter_ns", "tag", "row_fields", NULL};
+    PyObject *v[17], *row_fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOUO!:configure", names, &v[0], &v[1],
                                      &PyDict_Type, &v[2], &v[3], &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6],
-                                     &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16], &v[17],
+                                     &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16],
                                      &PyTuple_Type, &row_fields))
         return NULL;
     if (set_slots(row_fields) < 0)
         return NULL;
-    PyObject **slots[18] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
+    PyObject **slots[17] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
                             &g_device_names, &g_dtype_name, &g_device_name, &g_flat_outputs, &g_shape_of,
                             &g_flop_count, &g_graph_task_id, &g_grad_enabled, &g_current_node,
-                            &g_accumulating_param, &g_perf_counter_ns, &g_byte_extent, &g_tag};
-    for (int i = 0; i < 18; i++)
+                            &g_accumulating_param, &g_perf_counter_ns, &g_tag};
+    for (int i = 0; i < 17; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
     Py_RETURN_NONE;
 }

@@ -12,7 +12,7 @@ extern PyObject *g_make_entry;   /* func -> entry tuple or None */
 extern PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 extern PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 extern PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
-extern PyObject *g_perf_counter_ns, *g_current_node, *g_byte_extent;
+extern PyObject *g_perf_counter_ns, *g_current_node;
 extern PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 extern PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 
@@ -47,7 +47,7 @@ typedef struct {
     PyObject *locate;           /* rec.locate: the user's file:line of an op, or None when not recorded */
     PyObject *mode;             /* weak reference to the mode this is the __torch_dispatch__ of */
     PyObject *storage_refs;     /* rec._storage_refs: saved tensors to copy before a write (saving windows) */
-    PyObject *written_storage, *with_written_bases; /* rec._written_storage: each logged storage, weakly */
+    PyObject *note_writes, *with_written_bases;
     int hooks_on;               /* training.hooks_on: gradient hooks on each output's node (fixed per window) */
     int stats_on;               /* rec.stats_on: output statistics (TrainingState.out_stats, in Python) */
     PyObject *in_flight, *out_stats, *arrived; /* training's collectives awaiting their statistics */
@@ -68,7 +68,6 @@ int link_pending(FastOp *self, PyObject *pending);
 PyObject * label_of(PyObject *name, long n);
 PyObject * mutated_tensors(PyObject *mutated, PyObject *args, PyObject *kwargs);
 int any_base(PyObject *written);
-int note_writes(FastOp *self, PyObject *index, PyObject *written);
 PyObject * shapes_of(PyObject *tensors, int fallback);
 PyObject * call_slow(FastOp *self, PyObject *func, PyObject *args, PyObject *kwargs, int subclass);
 PyObject * input_tensors(PyObject *args, PyObject *kwargs);
