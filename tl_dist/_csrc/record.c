@@ -613,7 +613,7 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
             goto done;
         if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 3) {
             Py_DECREF(current);
-            PyErr_SetString(PyExc_TypeError, "tl_dist: ModuleTracker.current must be (pl->address, pl->stack, pl->call)");
+            PyErr_SetString(PyExc_TypeError, "tl_dist: ModuleTracker.current must be (address, stack, call)");
             goto done;
         }
         pl->address = Py_NewRef(PyTuple_GET_ITEM(current, 0));
@@ -665,7 +665,7 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
         }
         if (owner != NULL) {
             if (!PyTuple_Check(owner) || PyTuple_GET_SIZE(owner) != 2) {
-                PyErr_SetString(PyExc_TypeError, "tl_dist: a module owner must be (pl->address, pl->stack)");
+                PyErr_SetString(PyExc_TypeError, "tl_dist: a module owner must be (address, stack)");
                 goto done;
             }
             pl->address = Py_NewRef(PyTuple_GET_ITEM(owner, 0));
@@ -688,5 +688,7 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
 
     rc = 0;
 done:
+    Py_XDECREF(task);
+    Py_XDECREF(owner);
     return rc;
 }
