@@ -34,7 +34,8 @@ PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
 PyObject *g_perf_counter_ns, *g_current_node;
 PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
-PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_grad_fn, *s_metadata,
+PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
+    *s_metadata,
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
@@ -103,11 +104,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     Py_ssize_t n_in = PyList_GET_SIZE(tensors);
     if (n_in > 0 && PyUnicode_Compare(kind, s_view) != 0) {
         /* Device time from CUDA events: Recorder.on_op. */
-        PyObject *is_cuda = PyObject_GetAttr(PyList_GET_ITEM(tensors, 0), s_is_cuda);
-        if (is_cuda == NULL)
-            goto cleanup;
-        int cuda = PyObject_IsTrue(is_cuda);
-        Py_DECREF(is_cuda);
+        int cuda = attr_true(PyList_GET_ITEM(tensors, 0), s_is_cuda);
         if (cuda != 0) {
             slow = cuda > 0;
             goto cleanup;
@@ -390,14 +387,8 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
     self->note_writes = PyObject_GetAttrString(rec, "_note_writes");
     self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
-    PyObject *hooks_on = PyObject_GetAttrString(training, "hooks_on");
-    self->hooks_on = hooks_on == NULL ? -1 : PyObject_IsTrue(hooks_on);
-    Py_XDECREF(hooks_on);
-    if (self->hooks_on < 0)
-        return -1;
-    PyObject *stats_on = PyObject_GetAttrString(rec, "stats_on");
-    self->stats_on = stats_on == NULL ? -1 : PyObject_IsTrue(stats_on);
-    Py_XDECREF(stats_on);
+    self->hooks_on = attr_true(training, s_hooks_on);
+    self->stats_on = self->hooks_on < 0 ? -1 : attr_true(rec, s_stats_on);
     if (self->stats_on < 0)
         return -1;
     self->in_flight = PyObject_GetAttrString(training, "in_flight");
@@ -423,63 +414,28 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+/* Every object a FastOp holds: what the GC clears and visits. */
+#define FASTOP_OBJECTS(X) \
+    X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
+    X(training) X(link_pending) X(written_since) X(record_failure) X(phase_special) X(recomputed) \
+    X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
+    X(note_writes) X(storage_refs)
+
 static int
 fastop_clear(FastOp *self)
 {
-    Py_CLEAR(self->rec);
-    Py_CLEAR(self->on_op);
-    Py_CLEAR(self->rows);
-    Py_CLEAR(self->label_counts);
-    Py_CLEAR(self->params);
-    Py_CLEAR(self->writes);
-    Py_CLEAR(self->backward_sources);
-    Py_CLEAR(self->token);
-    Py_CLEAR(self->modules);
-    Py_CLEAR(self->training);
-    Py_CLEAR(self->link_pending);
-    Py_CLEAR(self->written_since);
-    Py_CLEAR(self->record_failure);
-    Py_CLEAR(self->phase_special);
-    Py_CLEAR(self->recomputed);
-    Py_CLEAR(self->owner_of);
-    Py_CLEAR(self->locate);
-    Py_CLEAR(self->mode);
-    Py_CLEAR(self->arrived);
-    Py_CLEAR(self->out_stats);
-    Py_CLEAR(self->in_flight);
-    Py_CLEAR(self->with_written_bases);
-    Py_CLEAR(self->note_writes);
-    Py_CLEAR(self->storage_refs);
+#define CLEAR_ONE(field) Py_CLEAR(self->field);
+    FASTOP_OBJECTS(CLEAR_ONE)
+#undef CLEAR_ONE
     return 0;
 }
 
 static int
 fastop_traverse(FastOp *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->rec);
-    Py_VISIT(self->on_op);
-    Py_VISIT(self->rows);
-    Py_VISIT(self->label_counts);
-    Py_VISIT(self->params);
-    Py_VISIT(self->writes);
-    Py_VISIT(self->backward_sources);
-    Py_VISIT(self->token);
-    Py_VISIT(self->modules);
-    Py_VISIT(self->training);
-    Py_VISIT(self->link_pending);
-    Py_VISIT(self->written_since);
-    Py_VISIT(self->record_failure);
-    Py_VISIT(self->phase_special);
-    Py_VISIT(self->recomputed);
-    Py_VISIT(self->owner_of);
-    Py_VISIT(self->locate);
-    Py_VISIT(self->mode);
-    Py_VISIT(self->arrived);
-    Py_VISIT(self->out_stats);
-    Py_VISIT(self->in_flight);
-    Py_VISIT(self->with_written_bases);
-    Py_VISIT(self->note_writes);
-    Py_VISIT(self->storage_refs);
+#define VISIT_ONE(field) Py_VISIT(self->field);
+    FASTOP_OBJECTS(VISIT_ONE)
+#undef VISIT_ONE
     return 0;
 }
 
@@ -602,6 +558,7 @@ PyInit__fastop(void)
     INTERN(s_phase, "phase");
     INTERN(s_last_write, "_last_write");
     INTERN(s_hooks_on, "hooks_on");
+    INTERN(s_stats_on, "stats_on");
     INTERN(s_grad_fn, "grad_fn");
     INTERN(s_metadata, "metadata");
     INTERN(s_dtype, "dtype");

@@ -17,7 +17,8 @@ extern PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...
 extern PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 
 /* Interned names. */
-extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_grad_fn, *s_metadata,
+extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
+    *s_metadata,
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
@@ -60,6 +61,7 @@ struct place {
     PyObject *phase, *fwd_op, *address, *stack, *call, *source;
 };
 
+int attr_true(PyObject *obj, PyObject *name);
 PyObject * now_ns(void);
 int is_tensor(PyObject *o);
 void untrack_atomic(PyObject *t);

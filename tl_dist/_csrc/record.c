@@ -329,17 +329,32 @@ shapes_of(PyObject *tensors, int fallback)
     return shapes;
 }
 
-static PyObject *
-name_of(PyObject *names, PyObject *fallback_fn, PyObject *key)
+/* bool(obj.name): 1 or 0, -1 with an error set. */
+int
+attr_true(PyObject *obj, PyObject *name)
 {
-    PyObject *name = PyDict_GetItemWithError(names, key);
-    if (name != NULL && PyObject_IsTrue(name) == 1) {
-        Py_INCREF(name);
-        return name;
-    }
-    if (PyErr_Occurred())
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* `names.get(obj.attr) or fallback_fn(obj.attr)`: the dtype or device name of a tensor (_common). */
+static PyObject *
+attr_name(PyObject *obj, PyObject *attr, PyObject *names, PyObject *fallback_fn)
+{
+    PyObject *key = PyObject_GetAttr(obj, attr);
+    if (key == NULL)
         return NULL;
-    return PyObject_CallOneArg(fallback_fn, key);
+    PyObject *name = PyDict_GetItemWithError(names, key);
+    if (name != NULL && PyObject_IsTrue(name) == 1)
+        name = Py_NewRef(name);
+    else
+        name = PyErr_Occurred() ? NULL : PyObject_CallOneArg(fallback_fn, key);
+    Py_DECREF(key);
+    return name;
 }
 
 /* The user's file:line issuing the op, or "" when the window records none. */
@@ -355,11 +370,7 @@ forward_source(FastOp *self, PyObject *phase)
 {
     if (self->locate == Py_None)
         return Py_NewRef(s_empty);
-    PyObject *builtin = PyObject_GetAttr(self->modules, s_current_builtin);
-    if (builtin == NULL)
-        return NULL;
-    int inside = PyObject_IsTrue(builtin);
-    Py_DECREF(builtin);
+    int inside = attr_true(self->modules, s_current_builtin);
     if (inside < 0)
         return NULL;
     if (inside) /* inside nn.Linear & co: no user frame below its call site */
@@ -517,31 +528,14 @@ describe_outputs(PyObject *outs, PyObject *token, PyObject *index, PyObject **dt
         return *link == NULL ? -1 : 0;
     }
     PyObject *first = PyList_GET_ITEM(outs, 0);
-    PyObject *dt = PyObject_GetAttr(first, s_dtype);
-    if (dt == NULL)
+    if ((*dtype = attr_name(first, s_dtype, g_dtype_names, g_dtype_name)) == NULL)
         return -1;
-    *dtype = name_of(g_dtype_names, g_dtype_name, dt);
-    Py_DECREF(dt);
-    if (*dtype == NULL)
-        return -1;
-    PyObject *is_cpu = PyObject_GetAttr(first, s_is_cpu);
-    if (is_cpu == NULL)
-        return -1;
-    int cpu = PyObject_IsTrue(is_cpu);
-    Py_DECREF(is_cpu);
+    int cpu = attr_true(first, s_is_cpu);
     if (cpu < 0)
         return -1;
-    if (cpu) {
-        *device = Py_NewRef(s_cpu);
-    } else {
-        PyObject *dev = PyObject_GetAttr(first, s_device);
-        if (dev == NULL)
-            return -1;
-        *device = name_of(g_device_names, g_device_name, dev);
-        Py_DECREF(dev);
-        if (*device == NULL)
-            return -1;
-    }
+    *device = cpu ? Py_NewRef(s_cpu) : attr_name(first, s_device, g_device_names, g_device_name);
+    if (*device == NULL)
+        return -1;
     for (Py_ssize_t pos = 0; pos < n_out; pos++) {
         PyObject *o = PyList_GET_ITEM(outs, pos);
         PyObject *ne = PyObject_CallMethodNoArgs(o, s_nelement);
