@@ -1,6 +1,6 @@
 """The optional C extension tl_dist._fastop, built from tl_dist/_csrc/ (the compiled per-op path,
-tl_dist/_fastpath.py); everything else about the package is in pyproject.toml. ``optional=True``: without a C compiler the install still
-succeeds and every op is recorded in Python."""
+tl_dist/_fastpath.py); everything else about the package is in pyproject.toml. ``optional=True``: without a
+C compiler the install still succeeds and every op is recorded in Python."""
 
 from setuptools import Extension, setup
 

@@ -54,10 +54,8 @@ def worker(mode: str, model_name: str, steps: int) -> None:
         model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
         x = torch.randn(2, 8, 32)
     else:
-        model, x = (
-            ResNet18(num_classes=10).train(),
-            torch.randn(2, 3, 32, 32),
-        )  # 2: BatchNorm needs more than one value
+        # A batch of 2: BatchNorm refuses one value per channel in training.
+        model, x = ResNet18(num_classes=10).train(), torch.randn(2, 3, 32, 32)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
     def run() -> None:

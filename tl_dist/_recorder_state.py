@@ -1,13 +1,14 @@
 """What the recorder's helpers read and write on the recorder that owns them.
 
-The module tracker (``_modules``), the phase tracker (``_phases``) and the training state (``training``) are
+The module tracker (``_modules``), the phase tracker (``_phases``), the training state (``training``) and the
+dispatch modes (``_modes``) are
 owned by a ``Recorder`` (``_recorder``), which imports them. They see their owner through these protocols, so
 that none of them imports the recorder back (no import cycle, not even a type-only one).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +23,12 @@ class ModuleState(Protocol):
     def live_modules(self) -> list[torch.nn.Module]: ...
 
 
+class CommState(Protocol):
+    """The part of the collective log the dispatch modes call."""
+
+    def waited(self, args: tuple, t1: int) -> None: ...
+
+
 class RecorderState(Protocol):
     """The recorder as its helpers see it: the rows so far, the phase, and the few calls they make back."""
 
@@ -34,6 +41,9 @@ class RecorderState(Protocol):
     output_of: dict[int, list[str]]  # op index -> modules whose output it produced
     locate: SourceLocator | None
     modules: ModuleState
+    comm: CommState
+
+    def on_op(self, func: Any, args: tuple, kwargs: dict, subclass: bool = False) -> Any: ...
 
     def watch(self, t: torch.Tensor, entry: tuple[int, int, int]) -> None: ...
 

@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_flatten
 from . import _session
 from ._common import TAG, has_its_bytes, map_local, storage_key, user_stacklevel
 from ._intervene import Interventions
-from ._recorder import ACTIVE, CaptureMode, Recorder
+from ._modes import CaptureMode
+from ._recorder import ACTIVE, Recorder
 from .compiled import RegionHook, watch_compiles
 from .errors import TlDistError
 from .options import DEFAULT_OPTIONS, CaptureOptions, check_options

@@ -26,7 +26,7 @@ What reaches the dispatcher, verified on torch 2.13 CPU/gloo (2 and 4 ranks):
 - Functional collectives dispatch ``_c10d_functional.*`` (group by name) followed by ``_wrap_tensor_autograd``;
   their ``wait_tensor`` reaches the capture mode only when called from user code
   (``AsyncCollectiveTensor.wait()``); when the AsyncCollectiveTensor waits inside another op's dispatch, the
-  capture's SubclassMode (``_recorder``) sees it, as it sees what DTensor issues inside its own dispatch.
+  capture's SubclassMode (``_modes``) sees it, as it sees what DTensor issues inside its own dispatch.
 - With ``find_unused_parameters=True`` DDP also all-reduces its used-parameter map (int32, 1-D) in backward.
 - DDP's gradient buckets: one ``c10d.allreduce_`` of a flat 1-D bucket per bucket, issued by the C++ reducer
   inside the autograd engine (``torch._C._current_graph_task_id() != -1``, no user Python frame between the

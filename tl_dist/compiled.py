@@ -268,9 +268,8 @@ class _Region:
             # An Inductor artifact holds plain tensors only (AOTAutograd unwraps subclasses before it).
             with _NO_PYTHON_DISPATCH():
                 return _ORIGINAL_CALL(self.compiled, list(inputs))
-        with hook.mode.redirected(
-            hook.inside
-        ):  # the region's own dispatched ops (extern kernels) are inside it
+        # The region's own dispatched ops (extern kernels) are inside it.
+        with hook.mode.redirected(hook.inside):
             return _ORIGINAL_CALL(self.compiled, list(inputs))
 
 
