@@ -33,13 +33,14 @@ PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
 PyObject *g_perf_counter_ns, *g_current_node;
 PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
+PyObject *g_itemsizes;
 PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
     *s_metadata,
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base;
+    *s_data_ptr, *s_base, *s_itemsize;
 
 /* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
 static PyObject *
@@ -219,8 +220,6 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
 
     Py_ssize_t n_out = PyList_GET_SIZE(outs);
     PyObject *row_kind = n_out == 0 ? s_other : n_in > 0 ? kind : s_factory;
-    if (describe_outputs(outs, token, index, &dtype, &device, &out_bytes, &link) < 0)
-        goto cleanup;
 
     /* Shapes. */
     in_shapes = shapes_of(tensors, 0);
@@ -235,6 +234,8 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         if (out_shapes == NULL)
             goto cleanup;
     }
+    if (describe_outputs(outs, out_shapes, token, index, &dtype, &device, &out_bytes, &link) < 0)
+        goto cleanup;
 
     PyObject *flop_fn = PyTuple_GET_ITEM(entry, E_FLOPS);
     if (flop_fn == Py_None)
@@ -532,6 +533,7 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
                             &g_accumulating_param, &g_perf_counter_ns, &g_tag};
     for (int i = 0; i < 17; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
+    clear_entry_cache(); /* its entries came from the old g_entries */
     Py_RETURN_NONE;
 }
 
@@ -584,7 +586,8 @@ PyInit__fastop(void)
     INTERN(s_nbytes, "nbytes");
     INTERN(s_data_ptr, "data_ptr");
     INTERN(s_base, "_base");
-    if ((g_labels = PyDict_New()) == NULL)
+    INTERN(s_itemsize, "itemsize");
+    if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL)
         return NULL;
     if (PyType_Ready(&FastOpType) < 0)
         return NULL;

@@ -14,6 +14,7 @@ extern PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 extern PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
 extern PyObject *g_perf_counter_ns, *g_current_node;
 extern PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
+extern PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
 extern PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 
 /* Interned names. */
@@ -22,7 +23,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base;
+    *s_data_ptr, *s_base, *s_itemsize;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SIZE };
@@ -66,6 +67,7 @@ PyObject * now_ns(void);
 int is_tensor(PyObject *o);
 void untrack_atomic(PyObject *t);
 PyObject * entry_of(PyObject *func);
+void clear_entry_cache(void);
 int link_pending(FastOp *self, PyObject *pending);
 PyObject * label_of(PyObject *name, long n);
 PyObject * mutated_tensors(PyObject *mutated, PyObject *args, PyObject *kwargs);
@@ -75,8 +77,8 @@ PyObject * call_slow(FastOp *self, PyObject *func, PyObject *args, PyObject *kwa
 PyObject * input_tensors(PyObject *args, PyObject *kwargs);
 int scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names);
 PyObject * run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwargs);
-int describe_outputs(PyObject *outs, PyObject *token, PyObject *index, PyObject **dtype, PyObject **device,
-                 long long *out_bytes, PyObject **link);
+int describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject *index, PyObject **dtype,
+                     PyObject **device, long long *out_bytes, PyObject **link);
 void place_clear(struct place *pl);
 int place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl);
 

@@ -44,37 +44,57 @@ untrack_atomic(PyObject *t)
         return;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
         PyObject *item = PyTuple_GET_ITEM(t, i);
-        if (PyObject_IS_GC(item) && PyObject_GC_IsTracked(item))
+        /* PyType_IS_GC first: a flag test, where the ints and strings of shapes and tags stop */
+        if (PyType_IS_GC(Py_TYPE(item)) && PyObject_GC_IsTracked(item))
             return;
     }
     PyObject_GC_UnTrack(t);
+}
+
+/* A direct-mapped cache in front of g_entries: hashing id(func) into the dict costs an int object and a
+ * lookup per op (~700 instructions); a slot holds a reference to its func, so the address stays that func's. */
+#define ENTRY_SLOTS 1024
+static struct {
+    PyObject *func, *entry;
+} entry_cache[ENTRY_SLOTS];
+
+void
+clear_entry_cache(void)
+{
+    for (int i = 0; i < ENTRY_SLOTS; i++) {
+        Py_CLEAR(entry_cache[i].func);
+        Py_CLEAR(entry_cache[i].entry);
+    }
 }
 
 /* The entry of func: a tuple, Py_None (slow path), or NULL with an error set. Borrowed. */
 PyObject *
 entry_of(PyObject *func)
 {
+    size_t slot = ((size_t)func >> 4) % ENTRY_SLOTS;
+    if (entry_cache[slot].func == func)
+        return entry_cache[slot].entry;
     PyObject *key = PyLong_FromVoidPtr(func);
     if (key == NULL)
         return NULL;
     PyObject *entry = PyDict_GetItemWithError(g_entries, key);
-    if (entry != NULL && (entry == Py_None || PyTuple_GET_ITEM(entry, E_FUNC) == func)) {
-        Py_DECREF(key);
-        return entry;
-    }
-    if (PyErr_Occurred()) {
-        Py_DECREF(key);
-        return NULL;
-    }
-    PyObject *made = PyObject_CallOneArg(g_make_entry, func);
-    if (made == NULL || PyDict_SetItem(g_entries, key, made) < 0) {
-        Py_XDECREF(made);
-        Py_DECREF(key);
-        return NULL;
+    if (entry == NULL || (entry != Py_None && PyTuple_GET_ITEM(entry, E_FUNC) != func)) {
+        if (PyErr_Occurred()) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        entry = PyObject_CallOneArg(g_make_entry, func);
+        if (entry == NULL || PyDict_SetItem(g_entries, key, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(key);
+            return NULL;
+        }
+        Py_DECREF(entry); /* the dict holds it */
     }
     Py_DECREF(key);
-    Py_DECREF(made); /* the dict holds it */
-    return made;
+    Py_XSETREF(entry_cache[slot].func, Py_NewRef(func));
+    Py_XSETREF(entry_cache[slot].entry, Py_NewRef(entry));
+    return entry;
 }
 
 /* Tags the autograd node of the previous op's single output with that op (TrainingState.link_pending's
@@ -341,20 +361,14 @@ attr_true(PyObject *obj, PyObject *name)
     return truth;
 }
 
-/* `names.get(obj.attr) or fallback_fn(obj.attr)`: the dtype or device name of a tensor (_common). */
+/* `names.get(key) or fallback_fn(key)`: the name of a dtype or device (_common). */
 static PyObject *
-attr_name(PyObject *obj, PyObject *attr, PyObject *names, PyObject *fallback_fn)
+name_of(PyObject *key, PyObject *names, PyObject *fallback_fn)
 {
-    PyObject *key = PyObject_GetAttr(obj, attr);
-    if (key == NULL)
-        return NULL;
     PyObject *name = PyDict_GetItemWithError(names, key);
     if (name != NULL && PyObject_IsTrue(name) == 1)
-        name = Py_NewRef(name);
-    else
-        name = PyErr_Occurred() ? NULL : PyObject_CallOneArg(fallback_fn, key);
-    Py_DECREF(key);
-    return name;
+        return Py_NewRef(name);
+    return PyErr_Occurred() ? NULL : PyObject_CallOneArg(fallback_fn, key);
 }
 
 /* The user's file:line issuing the op, or "" when the window records none. */
@@ -514,11 +528,67 @@ run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwargs)
     return NULL;
 }
 
-/* dtype and device of the first output, the bytes of all; tags each output with (token, op, position) and
- * sets *link: the tag of a single output (also its autograd node's link), else (token, op). */
+/* dtype.itemsize, cached per dtype (g_itemsizes): a tensor's bytes are its shape's product times it, which
+ * costs two method calls per output less than nelement() * element_size(). -1 with an error set. */
+static long long
+itemsize_of(PyObject *dtype)
+{
+    PyObject *size = PyDict_GetItemWithError(g_itemsizes, dtype);
+    if (size == NULL) {
+        if (PyErr_Occurred() || (size = PyObject_GetAttr(dtype, s_itemsize)) == NULL)
+            return -1;
+        int rc = PyDict_SetItem(g_itemsizes, dtype, size);
+        Py_DECREF(size); /* the dict holds it */
+        if (rc < 0)
+            return -1;
+    }
+    return PyLong_AsLongLong(size);
+}
+
+/* The product of a shape of plain ints, or -1 where it is not one (shape_of's -1 for a ragged dimension). */
+static long long
+numel_of(PyObject *shape)
+{
+    if (!PyTuple_Check(shape))
+        return -1;
+    long long n = 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
+        PyObject *d = PyTuple_GET_ITEM(shape, i);
+        long long size = PyLong_CheckExact(d) ? PyLong_AsLongLong(d) : -1;
+        if (size < 0) {
+            PyErr_Clear();
+            return -1;
+        }
+        n *= size;
+    }
+    return n;
+}
+
+/* The bytes of output o of that dtype: its shape's product times the dtype's itemsize; nelement() *
+ * element_size() where the shape is not plain (a nested tensor's). -1 with an error set. */
+static long long
+bytes_of(PyObject *o, PyObject *shape, PyObject *dtype)
+{
+    long long n = numel_of(shape);
+    if (n >= 0) {
+        long long size = itemsize_of(dtype);
+        return size < 0 ? -1 : n * size;
+    }
+    PyObject *ne = PyObject_CallMethodNoArgs(o, s_nelement);
+    PyObject *es = ne == NULL ? NULL : PyObject_CallMethodNoArgs(o, s_element_size);
+    long long a = ne == NULL ? -1 : PyLong_AsLongLong(ne);
+    long long b = es == NULL ? -1 : PyLong_AsLongLong(es);
+    Py_XDECREF(ne);
+    Py_XDECREF(es);
+    return es == NULL || PyErr_Occurred() ? -1 : a * b;
+}
+
+/* dtype and device of the first output, the bytes of all (out_shapes: their shapes); tags each output with
+ * (token, op, position) and sets *link: the tag of a single output (also its autograd node's link), else
+ * (token, op). */
 int
-describe_outputs(PyObject *outs, PyObject *token, PyObject *index, PyObject **dtype, PyObject **device,
-                 long long *out_bytes, PyObject **link)
+describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject *index, PyObject **dtype,
+                 PyObject **device, long long *out_bytes, PyObject **link)
 {
     Py_ssize_t n_out = PyList_GET_SIZE(outs);
     if (n_out == 0) {
@@ -528,25 +598,32 @@ describe_outputs(PyObject *outs, PyObject *token, PyObject *index, PyObject **dt
         return *link == NULL ? -1 : 0;
     }
     PyObject *first = PyList_GET_ITEM(outs, 0);
-    if ((*dtype = attr_name(first, s_dtype, g_dtype_names, g_dtype_name)) == NULL)
-        return -1;
     int cpu = attr_true(first, s_is_cpu);
     if (cpu < 0)
         return -1;
-    *device = cpu ? Py_NewRef(s_cpu) : attr_name(first, s_device, g_device_names, g_device_name);
+    if (!cpu) {
+        PyObject *key = PyObject_GetAttr(first, s_device);
+        *device = key == NULL ? NULL : name_of(key, g_device_names, g_device_name);
+        Py_XDECREF(key);
+    } else {
+        *device = Py_NewRef(s_cpu);
+    }
     if (*device == NULL)
         return -1;
     for (Py_ssize_t pos = 0; pos < n_out; pos++) {
         PyObject *o = PyList_GET_ITEM(outs, pos);
-        PyObject *ne = PyObject_CallMethodNoArgs(o, s_nelement);
-        PyObject *es = ne == NULL ? NULL : PyObject_CallMethodNoArgs(o, s_element_size);
-        long long a = ne == NULL ? -1 : PyLong_AsLongLong(ne);
-        long long b = es == NULL ? -1 : PyLong_AsLongLong(es);
-        Py_XDECREF(ne);
-        Py_XDECREF(es);
-        if (es == NULL || PyErr_Occurred())
+        PyObject *o_dtype = PyObject_GetAttr(o, s_dtype);
+        if (o_dtype == NULL)
             return -1;
-        *out_bytes += a * b;
+        if (pos == 0 && (*dtype = name_of(o_dtype, g_dtype_names, g_dtype_name)) == NULL) {
+            Py_DECREF(o_dtype);
+            return -1;
+        }
+        long long b = bytes_of(o, PyTuple_GET_ITEM(out_shapes, pos), o_dtype);
+        Py_DECREF(o_dtype);
+        if (b < 0)
+            return -1;
+        *out_bytes += b;
         PyObject *p = PyLong_FromSsize_t(pos);
         PyObject *tag = p == NULL ? NULL : PyTuple_Pack(3, token, index, p);
         Py_XDECREF(p);
