@@ -195,6 +195,34 @@ def test_factory_kwargs_and_multi_output_ops_match(monkeypatch: pytest.MonkeyPat
 
 
 @needs_extension
+def test_output_bytes_count_each_output_at_its_own_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled path multiplies the shape by the dtype's itemsize: every dtype size, a 0-d and an empty
+    # output, and an op whose outputs differ in dtype, against bytes written out by hand.
+    def build():  # noqa: ANN202
+        def run() -> None:
+            a = torch.arange(12.0).reshape(3, 4)
+            a > 3  # bool: 12 x 1
+            a.half()  # 12 x 2
+            a.double()  # 12 x 8
+            torch.complex(a, a)  # complex64: 12 x 8
+            a.to(torch.uint8)  # 12 x 1
+            a.sum()  # 0-d: 4
+            a[:0] * 2  # empty: 0
+            a.max(dim=1)  # float32 values (3 x 4) and int64 indices (3 x 8)
+
+        return run
+
+    trace = _assert_same(monkeypatch, build)
+    got = dict(zip(trace.columns["label"], trace.columns["out_bytes"]))
+    assert got["gt_1"] == 12
+    assert got["_to_copy_1"] == 24 and got["_to_copy_2"] == 96 and got["_to_copy_3"] == 12
+    assert got["complex_1"] == 96
+    assert got["sum_1"] == 4
+    assert got["mul_1"] == 0
+    assert got["max_1"] == 3 * 4 + 3 * 8
+
+
+@needs_extension
 def test_failing_op_is_recorded_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     failures = []
     for pure in (True, False):
