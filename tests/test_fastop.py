@@ -201,7 +201,7 @@ def test_output_bytes_count_each_output_at_its_own_dtype(monkeypatch: pytest.Mon
     def build():  # noqa: ANN202
         def run() -> None:
             a = torch.arange(12.0).reshape(3, 4)
-            a > 3  # bool: 12 x 1
+            torch.gt(a, 3)  # bool: 12 x 1
             a.half()  # 12 x 2
             a.double()  # 12 x 8
             torch.complex(a, a)  # complex64: 12 x 8
