@@ -118,6 +118,10 @@ def main() -> None:
                 else " (not written)"
             )
             print(f"{name + ':':<15}{path}{note}")
+    # Lightning leaves the process group up after fit; gloo's threads still running at interpreter exit
+    # abort the process (pytorch/pytorch#190489).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

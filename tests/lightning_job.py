@@ -68,6 +68,10 @@ def main() -> None:
         trained = all(not torch.equal(results[0][k], init[k]) for k in results[0])
         result = {"params_equal": equal, "trained": trained, "world_size": trainer.world_size}
         (out / "result.json").write_text(json.dumps(result))
+    # Lightning leaves the process group up after fit; gloo's worker threads still joinable at interpreter exit
+    # abort the process ("terminate called without an active exception", pytorch/pytorch#190489).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
