@@ -33,7 +33,7 @@ PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
 PyObject *g_perf_counter_ns, *g_current_node;
 PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
-PyObject *g_itemsizes;
+PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
 PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
     *s_metadata,

@@ -371,6 +371,18 @@ name_of(PyObject *key, PyObject *names, PyObject *fallback_fn)
     return PyErr_Occurred() ? NULL : PyObject_CallOneArg(fallback_fn, key);
 }
 
+/* name_of(obj.attr): the dtype or device name of a tensor. */
+static PyObject *
+attr_name(PyObject *obj, PyObject *attr, PyObject *names, PyObject *fallback_fn)
+{
+    PyObject *key = PyObject_GetAttr(obj, attr);
+    if (key == NULL)
+        return NULL;
+    PyObject *name = name_of(key, names, fallback_fn);
+    Py_DECREF(key);
+    return name;
+}
+
 /* The user's file:line issuing the op, or "" when the window records none. */
 static PyObject *
 locate(FastOp *self)
@@ -601,13 +613,7 @@ describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject
     int cpu = attr_true(first, s_is_cpu);
     if (cpu < 0)
         return -1;
-    if (!cpu) {
-        PyObject *key = PyObject_GetAttr(first, s_device);
-        *device = key == NULL ? NULL : name_of(key, g_device_names, g_device_name);
-        Py_XDECREF(key);
-    } else {
-        *device = Py_NewRef(s_cpu);
-    }
+    *device = cpu ? Py_NewRef(s_cpu) : attr_name(first, s_device, g_device_names, g_device_name);
     if (*device == NULL)
         return -1;
     for (Py_ssize_t pos = 0; pos < n_out; pos++) {
