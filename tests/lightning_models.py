@@ -107,8 +107,22 @@ def loader(batch_size: int = 4, n: int = 64) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(dataset(n), batch_size=batch_size)
 
 
+class ReleaseProcessGroup(pl.Callback):
+    """Destroys the process group at the end of a ``ddp_spawn`` worker's fit.
+
+    Lightning leaves the group up after fit; gloo's worker threads still joinable when the spawned interpreter
+    exits abort it ("terminate called without an active exception", pytorch/pytorch#190489), which fails the
+    launching fit with a SIGABRT about one run in many. Lightning calls ``teardown`` after ``on_fit_end``, where
+    the telemetry callback finishes its collectives.
+    """
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def trainer_kwargs(root: str, **overrides: object) -> dict:
-    """Quiet CPU Trainer settings shared by the tests."""
+    """Quiet CPU Trainer settings shared by the tests; ``ddp_spawn`` fits get a ``ReleaseProcessGroup``."""
     kwargs = dict(
         accelerator="cpu",
         default_root_dir=root,
@@ -119,6 +133,8 @@ def trainer_kwargs(root: str, **overrides: object) -> dict:
         log_every_n_steps=1,
     )
     kwargs.update(overrides)
+    if kwargs.get("strategy") == "ddp_spawn":
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), ReleaseProcessGroup()]
     return kwargs
 
 
