@@ -44,6 +44,9 @@ def _capture(monkeypatch: pytest.MonkeyPatch, pure: bool, run, **options) -> tl.
 def _assert_same(monkeypatch: pytest.MonkeyPatch, run, **options) -> tl.Trace:  # noqa: ANN001
     pure = _capture(monkeypatch, True, run, **options)
     fast = _capture(monkeypatch, False, run, **options)
+    # Saved outputs whose memory no op wrote (torch.empty, an RNN's workspace) differ from run to run: a second
+    # pure run tells which those are.
+    again = _capture(monkeypatch, True, run, **options) if options.get("save") else pure
     assert len(fast) == len(pure) > 0
     for name, column in pure.columns.items():
         if name not in CLOCKS:
@@ -53,7 +56,29 @@ def _assert_same(monkeypatch: pytest.MonkeyPatch, run, **options) -> tl.Trace:  
     assert starts == sorted(starts), "ops are timed in the order they ran"
     assert fast.module_table == pure.module_table
     assert fast.stats_table == pure.stats_table
+    _assert_same_saved(fast, pure, again)
     return fast
+
+
+def _same_tensors(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b)
+    )
+
+
+def _assert_same_saved(fast: tl.Trace, pure: tl.Trace, again: tl.Trace) -> None:
+    """The same ops saved, with equal values, and the same replay records (op, input sources, constants)."""
+    assert sorted(fast.saved) == sorted(pure.saved)
+    for index, outs in pure.saved.items():
+        assert [(o.shape, o.dtype) for o in fast.saved[index]] == [(o.shape, o.dtype) for o in outs]
+        if _same_tensors(again.saved[index], outs):  # else its value is unwritten memory
+            assert _same_tensors(fast.saved[index], outs), f"saved outputs of op {index} differ"
+    assert sorted(fast._replay) == sorted(pure._replay)
+    for index, (func, _args, _kwargs, srcs, consts) in pure._replay.items():
+        f_func, _, _, f_srcs, f_consts = fast._replay[index]
+        assert f_func is func and f_srcs == srcs, f"replay record of op {index} differs"
+        assert _same_tensors(f_consts, consts), f"replay constants of op {index} differ"
 
 
 def _training_step(model_fn, x_fn, *, foreach: bool):  # noqa: ANN001, ANN202
@@ -128,6 +153,52 @@ def test_zoo_forward_rows_match(monkeypatch: pytest.MonkeyPatch, entry, grad: bo
 
     _assert_same(monkeypatch, build)
     _assert_same(monkeypatch, build, source=False)
+    saving = _assert_same(monkeypatch, build, save=True)
+    assert len(saving.saved) > 0
+
+
+@needs_extension
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+def test_saving_windows_match(monkeypatch: pytest.MonkeyPatch, foreach: bool) -> None:
+    # A training step saving everything: its in-place ops (the optimizer's, ReLU(inplace=True)) run in Python,
+    # the rest compiled; the same outputs kept, copied before the writes that would change them.
+    def model() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)
+        )
+
+    build = _training_step(model, lambda: torch.randn(4, 6), foreach=foreach)
+    trace = _assert_same(monkeypatch, build, save=True)
+    assert len(trace.saved) == len(trace) - trace.columns["out_shapes"].count(())
+    # A selector: only the ops its rows match are kept.
+    trace = _assert_same(monkeypatch, build, save=tl.func("addmm") | tl.in_module("1"))
+    kept = {trace.columns["label"][i] for i in trace.saved}
+    columns = trace.columns
+    matching = zip(columns["label"], columns["func"], columns["module"])
+    assert kept == {label for label, func, module in matching if func == "addmm" or module == "1"}
+    assert (
+        len(kept) == 14
+    )  # 3 addmm per forward, relu_ + detach forward, detach + threshold_backward backward
+    assert _assert_same(monkeypatch, build, save=True, keep_graph=True).saved
+
+
+@needs_extension
+def test_a_compiled_saving_window_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What replay reads (each input's source, the constants) comes from the compiled path: replaying the
+    # trace gives back every saved output, and the model's own output, bit for bit.
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3), nn.Softmax(-1))
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        trace = tl.trace(model, x)
+        expected = model(x)
+    assert type(trace._replay) is dict and len(trace._replay) == len(trace)
+    replayed = trace.replay()
+    assert sorted(replayed.saved) == sorted(trace.saved)
+    for index, outs in trace.saved.items():
+        assert _same_tensors(replayed.saved[index], outs)
+    assert torch.equal(replayed.output, expected)
 
 
 @needs_extension
@@ -256,8 +327,8 @@ def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch
 
 @needs_extension
 def test_windows_that_need_python_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
-    with tl.capture(save=True) as cap:  # saved outputs and their replay records: Recorder.on_op
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1")
+    with tl.capture(save=True) as cap:
         torch.randn(2).relu()
     assert "__torch_dispatch__" not in cap._mode.__dict__
 

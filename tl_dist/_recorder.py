@@ -296,11 +296,29 @@ class Recorder:
                 self.training.out_stats(index, outs, row)
         self.n_ops = index + 1
 
-        if self.saving and outs and (self.save_all or self.save_selector.match(RowView(row))):
-            self._save(index, outs, func, args, kwargs, tensors, srcs, pre_write)
+        if self.saving and outs:
+            self._save_op(index, row, outs, func, args, kwargs, tensors, srcs, pre_write)
         return out
 
     # -- saving -------------------------------------------------------------------------------------------
+    def _save_op(
+        self,
+        index: int,
+        row: tuple,
+        outs: list,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        tensors: list,
+        srcs: list,
+        pre_write: dict[int, Tensor] | None = None,
+    ) -> None:
+        """Keeps op ``index``'s outputs and replay record if the window saves it (``save=True`` or a selector
+        its row matches). Called by ``on_op`` and by the compiled per-op path, which takes no in-place op of a
+        saving window (``pre_write`` is ``_before_write``'s)."""
+        if self.save_all or self.save_selector.match(RowView(row)):
+            self._save(index, outs, func, args, kwargs, tensors, srcs, pre_write)
+
     def _save(
         self,
         index: int,

@@ -40,7 +40,7 @@ PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base, *s_itemsize;
+    *s_data_ptr, *s_base, *s_itemsize, *s_saving;
 
 /* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
 static PyObject *
@@ -68,7 +68,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     PyObject *tensors = NULL, *parents = NULL, *param_names = NULL, *t0 = NULL, *t1 = NULL, *out = NULL;
     PyObject *outs = NULL, *index = NULL, *label = NULL, *dtype = NULL, *device = NULL, *link = NULL;
     PyObject *in_shapes = NULL, *out_shapes = NULL, *flops = NULL, *row = NULL;
-    PyObject *count = NULL, *pending = NULL, *written = NULL;
+    PyObject *count = NULL, *pending = NULL, *written = NULL, *srcs = NULL, *save_kwargs = NULL;
     struct place pl = {NULL, NULL, NULL, NULL, NULL, NULL};
     long long out_bytes = 0;
     int slow = 0;
@@ -115,7 +115,8 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     PyObject *mutated = PyTuple_GET_ITEM(entry, E_MUTATES);
     int mutates = PyTuple_GET_SIZE(mutated) > 0;
     if (mutates) {
-        if (PyDict_GET_SIZE(self->storage_refs) > 0) { /* saved tensors to copy first: Recorder._before_write */
+        /* Saved tensors to copy first, or (saving) the value an untracked tensor had: Recorder._before_write */
+        if (self->saving || PyDict_GET_SIZE(self->storage_refs) > 0) {
             slow = 1;
             goto cleanup;
         }
@@ -131,7 +132,10 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     PyObject *token = self->token;
     parents = PyList_New(0);
     param_names = PyList_New(0);
-    if (parents == NULL || param_names == NULL || scan_inputs(self, tensors, parents, param_names) < 0)
+    /* Where each input's value comes from (op, output position), for replay: only when outputs may be saved. */
+    if (self->saving && (srcs = PyList_New(0)) == NULL)
+        goto cleanup;
+    if (parents == NULL || param_names == NULL || scan_inputs(self, tensors, parents, param_names, srcs) < 0)
         goto cleanup;
 
     if (self->stats_on && PyDict_GET_SIZE(self->in_flight) > 0) {
@@ -312,6 +316,15 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     Py_XDECREF(next_index);
     if (rc < 0)
         goto cleanup;
+    if (self->saving && n_out > 0) {
+        save_kwargs = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+        PyObject *r = save_kwargs == NULL ? NULL
+                                          : PyObject_CallFunctionObjArgs(self->save_op, index, row, outs, func, args,
+                                                                         save_kwargs, tensors, srcs, NULL);
+        if (r == NULL)
+            goto cleanup;
+        Py_DECREF(r);
+    }
     result = Py_NewRef(out);
 
 cleanup:
@@ -335,6 +348,8 @@ cleanup:
     Py_XDECREF(count);
     Py_XDECREF(pending);
     Py_XDECREF(written);
+    Py_XDECREF(srcs);
+    Py_XDECREF(save_kwargs);
     if (slow && !PyErr_Occurred())
         result = call_slow(self, func, args, kwargs, 0);
     Py_XDECREF(empty_args);
@@ -390,7 +405,11 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
     self->hooks_on = attr_true(training, s_hooks_on);
     self->stats_on = self->hooks_on < 0 ? -1 : attr_true(rec, s_stats_on);
-    if (self->stats_on < 0)
+    self->saving = self->stats_on < 0 ? -1 : attr_true(rec, s_saving);
+    if (self->saving < 0)
+        return -1;
+    self->save_op = self->saving ? PyObject_GetAttrString(rec, "_save_op") : Py_NewRef(Py_None);
+    if (self->save_op == NULL)
         return -1;
     self->in_flight = PyObject_GetAttrString(training, "in_flight");
     self->out_stats = PyObject_GetAttrString(training, "out_stats");
@@ -420,7 +439,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_since) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(note_writes) X(storage_refs)
+    X(note_writes) X(storage_refs) X(save_op)
 
 static int
 fastop_clear(FastOp *self)
@@ -561,6 +580,7 @@ PyInit__fastop(void)
     INTERN(s_last_write, "_last_write");
     INTERN(s_hooks_on, "hooks_on");
     INTERN(s_stats_on, "stats_on");
+    INTERN(s_saving, "saving");
     INTERN(s_grad_fn, "grad_fn");
     INTERN(s_metadata, "metadata");
     INTERN(s_dtype, "dtype");

@@ -23,7 +23,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base, *s_itemsize;
+    *s_data_ptr, *s_base, *s_itemsize, *s_saving;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SIZE };
@@ -52,6 +52,8 @@ typedef struct {
     PyObject *note_writes, *with_written_bases;
     int hooks_on;               /* training.hooks_on: gradient hooks on each output's node (fixed per window) */
     int stats_on;               /* rec.stats_on: output statistics (TrainingState.out_stats, in Python) */
+    int saving;                 /* rec.saving: outputs may be kept (save=True or a selector) */
+    PyObject *save_op;          /* rec._save_op: keeps the op's outputs and replay record if selected (Python) */
     PyObject *in_flight, *out_stats, *arrived; /* training's collectives awaiting their statistics */
     PyObject *running;          /* borrowed: the OpInfo of the op running now (a post-mortem names it), or NULL */
 } FastOp;
@@ -75,7 +77,7 @@ int any_base(PyObject *written);
 PyObject * shapes_of(PyObject *tensors, int fallback);
 PyObject * call_slow(FastOp *self, PyObject *func, PyObject *args, PyObject *kwargs, int subclass);
 PyObject * input_tensors(PyObject *args, PyObject *kwargs);
-int scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names);
+int scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names, PyObject *srcs);
 PyObject * run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwargs);
 int describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject *index, PyObject **dtype,
                      PyObject **device, long long *out_bytes, PyObject **link);

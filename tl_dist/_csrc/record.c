@@ -183,8 +183,9 @@ storage_key(PyObject *t)
     return key;
 }
 
-/* Adds to parents the latest in-place write into t's memory after op `since`, as Recorder.on_op does. Most
- * inputs' memory was never written in the window: that is checked here, Recorder._written_since does the rest. */
+/* Adds to parents the latest in-place write into t's memory after op `since`, as Recorder.on_op does: 1 if
+ * there was one, 0 if not, -1 with an error set. Most inputs' memory was never written in the window: that is
+ * checked here, Recorder._written_since does the rest. */
 static int
 add_writer(FastOp *self, PyObject *parents, PyObject *t, PyObject *since)
 {
@@ -201,7 +202,7 @@ add_writer(FastOp *self, PyObject *parents, PyObject *t, PyObject *since)
     long w = PyLong_AsLong(writer);
     int rc = (w == -1 && PyErr_Occurred()) ? -1 : (w >= 0 ? add_parent(parents, writer) : 0);
     Py_DECREF(writer);
-    return rc;
+    return rc < 0 ? -1 : w >= 0;
 }
 
 /* The label of the n-th call of a func in a window, the same string object in every window. */
@@ -456,7 +457,7 @@ error:
 
 /* Appends to parents the ops whose outputs (or in-place writes) the op reads, to param_names the parameters. */
 int
-scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names)
+scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names, PyObject *srcs)
 {
     PyObject *token = self->token;
     int writes = PyDict_GET_SIZE(self->writes) > 0;
@@ -493,12 +494,19 @@ scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_
                 else if (last > p) /* an alias was written in place after t was made */
                     rc = add_writer(self, parents, t, producer);
             }
+            if (rc >= 0 && srcs != NULL) { /* the writer holds t's value now, not its producer's output */
+                PyObject *src = rc == 1 ? Py_NewRef(Py_None) : PyTuple_Pack(2, producer, PyTuple_GET_ITEM(tag, 2));
+                rc = src == NULL ? -1 : PyList_Append(srcs, src);
+                Py_XDECREF(src);
+            }
             Py_DECREF(tag);
             if (rc < 0)
                 return -1;
             continue;
         }
         Py_XDECREF(tag);
+        if (srcs != NULL && PyList_Append(srcs, Py_None) < 0)
+            return -1;
         PyObject *key = PyLong_FromVoidPtr(t);
         if (key == NULL)
             return -1;
