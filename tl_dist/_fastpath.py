@@ -3,10 +3,9 @@
 The extension is built at install time when a C compiler is there (``pip install`` builds it; it is optional,
 so an install without a compiler still works and every op takes the Python path). It does the work of
 ``Recorder.on_op`` for every window without interventions, and per op no tensor subclass, collective, tensor
-list or CUDA kernel, and in a window that saves outputs no in-place op (its pre-write copies are
-``Recorder._before_write``'s). What it calls back into stays Python: output statistics
-(``TrainingState.out_stats``) and, in a saving window, the selector and the saving itself
-(``Recorder._save_op``). Every other op runs ``Recorder.on_op``, which stays the reference:
+list or CUDA kernel. What it calls back into stays Python: output statistics (``TrainingState.out_stats``),
+the in-place write log and the copies made before a write (``Recorder._note_writes``, ``_before_write``) and,
+in a saving window, the selector and the saving itself (``Recorder._save_op``). Every other op runs ``Recorder.on_op``, which stays the reference:
 ``tests/test_fastop.py`` checks both give the same rows, saved tensors and replay records.
 
 Set ``TL_DIST_PURE_PYTHON=1`` to run every op in Python (read when a window opens).
@@ -69,7 +68,7 @@ def _called_from_c(recorder: Any) -> list[Any]:
     called = [_entry, flat_outputs, shape_of, flop_count, dtype_name, device_name, accumulating_param]
     called += [recorder.on_op, recorder._written_since, recorder._record_failure, recorder._note_writes]
     called += [recorder._with_written_bases, training.link_pending, training.out_stats, training.arrived]
-    called += [recorder._save_op, recorder._save, recorder.watch]
+    called += [recorder._save_op, recorder._save, recorder.watch, recorder._before_write]
     called += [recorder.phases.special, modules.recomputed, modules.owner_of]
     if recorder.locate is not None:
         called.append(type(recorder.locate).__call__)

@@ -314,8 +314,8 @@ class Recorder:
         pre_write: dict[int, Tensor] | None = None,
     ) -> None:
         """Keeps op ``index``'s outputs and replay record if the window saves it (``save=True`` or a selector
-        its row matches). Called by ``on_op`` and by the compiled per-op path, which takes no in-place op of a
-        saving window (``pre_write`` is ``_before_write``'s)."""
+        its row matches). Called by ``on_op`` and by the compiled per-op path; ``pre_write`` is what
+        ``_before_write`` returned for an in-place op."""
         if self.save_all or self.save_selector.match(RowView(row)):
             self._save(index, outs, func, args, kwargs, tensors, srcs, pre_write)
 

@@ -69,6 +69,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     PyObject *outs = NULL, *index = NULL, *label = NULL, *dtype = NULL, *device = NULL, *link = NULL;
     PyObject *in_shapes = NULL, *out_shapes = NULL, *flops = NULL, *row = NULL;
     PyObject *count = NULL, *pending = NULL, *written = NULL, *srcs = NULL, *save_kwargs = NULL;
+    PyObject *pre_write = NULL;
     struct place pl = {NULL, NULL, NULL, NULL, NULL, NULL};
     long long out_bytes = 0;
     int slow = 0;
@@ -114,15 +115,8 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
 
     PyObject *mutated = PyTuple_GET_ITEM(entry, E_MUTATES);
     int mutates = PyTuple_GET_SIZE(mutated) > 0;
-    if (mutates) {
-        /* Saved tensors to copy first, or (saving) the value an untracked tensor had: Recorder._before_write */
-        if (self->saving || PyDict_GET_SIZE(self->storage_refs) > 0) {
-            slow = 1;
-            goto cleanup;
-        }
-        if ((written = mutated_tensors(mutated, args, kwargs)) == NULL)
-            goto cleanup;
-    }
+    if (mutates && (written = mutated_tensors(mutated, args, kwargs)) == NULL)
+        goto cleanup;
 
     pending = PyObject_GetAttr(self->rec, s_pending);
     if (pending == NULL || (pending != Py_None && link_pending(self, pending) < 0))
@@ -154,6 +148,14 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             Py_DECREF(r);
         }
         Py_DECREF(kw);
+    }
+
+    /* Saved tensors the op would overwrite are copied first, and a saving window keeps the value each untracked
+     * tensor it writes had (Recorder._before_write). */
+    if (mutates && (self->saving || PyDict_GET_SIZE(self->storage_refs) > 0)) {
+        pre_write = PyObject_CallFunctionObjArgs(self->before_write, written, tensors, srcs ? srcs : Py_None, NULL);
+        if (pre_write == NULL)
+            goto cleanup;
     }
 
     /* The op. */
@@ -320,7 +322,8 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         save_kwargs = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
         PyObject *r = save_kwargs == NULL ? NULL
                                           : PyObject_CallFunctionObjArgs(self->save_op, index, row, outs, func, args,
-                                                                         save_kwargs, tensors, srcs, NULL);
+                                                                         save_kwargs, tensors, srcs,
+                                                                         pre_write ? pre_write : Py_None, NULL);
         if (r == NULL)
             goto cleanup;
         Py_DECREF(r);
@@ -350,6 +353,7 @@ cleanup:
     Py_XDECREF(written);
     Py_XDECREF(srcs);
     Py_XDECREF(save_kwargs);
+    Py_XDECREF(pre_write);
     if (slow && !PyErr_Occurred())
         result = call_slow(self, func, args, kwargs, 0);
     Py_XDECREF(empty_args);
@@ -403,6 +407,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
     self->note_writes = PyObject_GetAttrString(rec, "_note_writes");
     self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
+    self->before_write = PyObject_GetAttrString(rec, "_before_write");
     self->hooks_on = attr_true(training, s_hooks_on);
     self->stats_on = self->hooks_on < 0 ? -1 : attr_true(rec, s_stats_on);
     self->saving = self->stats_on < 0 ? -1 : attr_true(rec, s_saving);
@@ -424,7 +429,8 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
         !self->backward_sources || !self->token || !self->written_since || !self->record_failure ||
         !self->link_pending || !self->phase_special || !self->recomputed || !self->owner_of ||
-        !self->locate || !self->storage_refs || !self->note_writes || !self->with_written_bases)
+        !self->locate || !self->storage_refs || !self->note_writes || !self->with_written_bases ||
+        !self->before_write)
         return -1;
     if (!PyList_Check(self->rows) || !PyDict_Check(self->label_counts) || !PyDict_Check(self->params) ||
         !PyDict_Check(self->writes) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs)) {
@@ -439,7 +445,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_since) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(note_writes) X(storage_refs) X(save_op)
+    X(note_writes) X(storage_refs) X(save_op) X(before_write)
 
 static int
 fastop_clear(FastOp *self)

@@ -50,6 +50,7 @@ typedef struct {
     PyObject *mode;             /* weak reference to the mode this is the __torch_dispatch__ of */
     PyObject *storage_refs;     /* rec._storage_refs: saved tensors to copy before a write (saving windows) */
     PyObject *note_writes, *with_written_bases;
+    PyObject *before_write;     /* rec._before_write: copies saved tensors an in-place op would overwrite */
     int hooks_on;               /* training.hooks_on: gradient hooks on each output's node (fixed per window) */
     int stats_on;               /* rec.stats_on: output statistics (TrainingState.out_stats, in Python) */
     int saving;                 /* rec.saving: outputs may be kept (save=True or a selector) */
