@@ -21,9 +21,11 @@ Everything is measured in this process, interleaved, and printed as ratios to th
 
 ``--cpu`` times part 1 in the training thread's CPU time (``time.thread_time``) with one torch thread, so every
 op runs on that thread: on a loaded shared machine far steadier than wall time, and still what the window adds
-(its cost is all on that thread).
+(its cost is all on that thread). glibc's malloc runs with fixed trim and mmap thresholds (``benchmarks/heap.py``);
+``--default-heap`` keeps its moving defaults.
 
-Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_telemetry.py [--rounds 7] [--part 1 2 3 4] [--cpu]``
+Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_telemetry.py [--rounds 7] [--part 1 2 3 4] [--cpu]
+[--default-heap]``
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import heap  # noqa: E402
 from models import ResNet18, transformer  # noqa: E402
 
 import tl_dist as tl  # noqa: E402
@@ -255,7 +258,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="steps per loop in part 2")
     parser.add_argument("--part", type=int, nargs="*", default=[1, 2, 3, 4])
     parser.add_argument("--cpu", action="store_true", help="part 1 in thread CPU time, one torch thread")
+    parser.add_argument(
+        "--default-heap",
+        action="store_true",
+        help="keep glibc's moving malloc thresholds (benchmarks/heap.py)",
+    )
     args = parser.parse_args()
+    print(f"heap: {heap.set_policy(sys.argv)}")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if 1 in args.part:
         global _clock

@@ -17,7 +17,11 @@ Every measurement is the fastest of 3 blocks, each repeating the call enough tim
 millisecond models are not timer noise and a neighbour's burst on the shared cores is mostly filtered out.
 ``OMP_WAIT_POLICY=PASSIVE`` is set before torch loads: spinning OpenMP workers distort shared-core timings.
 
-Run: ``.venv/bin/python benchmarks/bench_trace.py [--quick] [--profile]``. If ``torchlens`` is importable it
+glibc's malloc runs with fixed trim and mmap thresholds (``benchmarks/heap.py``: with its moving defaults,
+whether freeing a trace's saved outputs returns the heap's top to the kernel depends on earlier frees, and the
+next forward's page faults land on whichever function runs next); ``--default-heap`` keeps the defaults.
+
+Run: ``.venv/bin/python benchmarks/bench_trace.py [--quick] [--profile] [--default-heap]``. If ``torchlens`` is importable it
 is measured the same way (same calibrated repetitions, fastest of 3 blocks, plain forwards bracketing each
 traced one, warm ``to_pandas``) in a subprocess, and shown beside ours; otherwise its column says "not
 installed" (it is not a dependency of tl_dist). Every figure printed is measured in that run.
@@ -48,6 +52,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import heap  # noqa: E402
 import models  # noqa: E402
 
 import tl_dist as tl  # noqa: E402
@@ -312,9 +317,15 @@ class _Passthrough(TorchDispatchMode):
                             self.outputs[k] = self.outputs[k].clone()
         out = func(*args, **kwargs)
         if self.outputs is not None:
-            if self.copy and isinstance(out, torch.Tensor):
-                self.by_storage.setdefault(out.untyped_storage().data_ptr(), []).append(len(self.outputs))
-            self.outputs.append(out)
+            # Every tensor output is kept, a tuple's too (native_batch_norm returns its output in one): the
+            # BatchNorm output that relu_ overwrites next must be copied first.
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor):
+                    if self.copy:
+                        self.by_storage.setdefault(o.untyped_storage().data_ptr(), []).append(
+                            len(self.outputs)
+                        )
+                    self.outputs.append(o)
         return out
 
 
@@ -452,10 +463,16 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print a cProfile of one traced ResNet forward"
     )
+    parser.add_argument(
+        "--default-heap",
+        action="store_true",
+        help="keep glibc's moving malloc thresholds (benchmarks/heap.py)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--torchlens-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plain-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    heap_policy = heap.set_policy(sys.argv)
     rounds = args.rounds or (3 if args.quick else 9)
     if args.torchlens_worker:
         torchlens_worker(rounds)
@@ -471,6 +488,7 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average {load} on {os.cpu_count()} CPUs"
     )
+    print(f"heap: {heap_policy}")
     reps = {name: calibrate(plain_fn(model, x)) for name, (model, x) in work.items()}
 
     leftovers, state, state_changes = leftover_check(work)
