@@ -4,7 +4,12 @@ C compiler the install still succeeds and every op is recorded in Python."""
 
 from setuptools import Extension, setup
 
-SOURCES = ["tl_dist/_csrc/fastop.c", "tl_dist/_csrc/record.c"]
+SOURCES = [
+    "tl_dist/_csrc/fastop.c",
+    "tl_dist/_csrc/record.c",
+    "tl_dist/_csrc/columns.c",
+    "tl_dist/_csrc/writes.c",
+]
 
 setup(
     ext_modules=[

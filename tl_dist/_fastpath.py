@@ -3,9 +3,10 @@
 The extension is built at install time when a C compiler is there (``pip install`` builds it; it is optional,
 so an install without a compiler still works and every op takes the Python path). It does the work of
 ``Recorder.on_op`` for every window without interventions, and per op no tensor subclass, collective, tensor
-list or CUDA kernel. What it calls back into stays Python: output statistics (``TrainingState.out_stats``),
-the in-place write log and the copies made before a write (``Recorder._note_writes``, ``_before_write``) and,
-in a saving window, the selector and the saving itself (``Recorder._save_op``). Every other op runs ``Recorder.on_op``, which stays the reference:
+list or CUDA kernel. It keeps the in-place write log as ``Recorder._note_writes`` does (``_csrc/writes.c``).
+What it calls back into stays Python: output statistics (``TrainingState.out_stats``), the copies made before
+a write (``Recorder._before_write``) and, in a saving window, the selector and the saving itself
+(``Recorder._save_op``). Every other op runs ``Recorder.on_op``, which stays the reference:
 ``tests/test_fastop.py`` checks both give the same rows, saved tensors and replay records.
 
 Set ``TL_DIST_PURE_PYTHON=1`` to run every op in Python (read when a window opens).
@@ -49,6 +50,24 @@ def available() -> bool:
     return _fastop is not None and os.environ.get(PURE_PYTHON_ENV, "") != "1"
 
 
+def rows_to_columns(rows: list[tuple], names: tuple[str, ...], shifted: str, shift: int) -> dict[str, list]:
+    """``rows`` (tuples of one value per name in ``names``) as a list per name, ``shift`` added to each value of
+    field ``shifted``: once per window, in C when the extension is built (a 1,000-op window: ~0.3 ms less).
+
+    Example:
+        >>> rows_to_columns([(0, 5), (1, 7)], ("index", "start_ns"), "start_ns", 100)
+        {'index': [0, 1], 'start_ns': [105, 107]}
+    """
+    k = names.index(shifted)
+    if _fastop is not None:
+        return dict(zip(names, _fastop.columns(rows, len(names), k, shift)))
+    if any(len(row) != len(names) for row in rows):
+        raise ValueError(f"rows_to_columns: a row is not a tuple of {len(names)} values")
+    columns = [list(col) for col in zip(*rows)] if rows else [[] for _ in names]
+    columns[k] = [t + shift for t in columns[k]]
+    return dict(zip(names, columns))
+
+
 def compiled_dispatch(recorder: Any, mode: Any) -> Any:
     """A ``__torch_dispatch__`` for ``mode`` that records into ``recorder`` in C, or None if this window needs
     Python. It holds the recorder and only a weak reference to the mode, so the window's objects stay free of
@@ -66,7 +85,7 @@ def _called_from_c(recorder: Any) -> list[Any]:
     mode is: ``torch._dynamo.reset()`` may drop the marks."""
     training, modules = recorder.training, recorder.modules
     called = [_entry, flat_outputs, shape_of, flop_count, dtype_name, device_name, accumulating_param]
-    called += [recorder.on_op, recorder._written_since, recorder._record_failure, recorder._note_writes]
+    called += [recorder.on_op, recorder._record_failure]
     called += [recorder._with_written_bases, training.link_pending, training.out_stats, training.arrived]
     called += [recorder._save_op, recorder._save, recorder.watch, recorder._before_write]
     called += [recorder.phases.special, modules.recomputed, modules.owner_of]

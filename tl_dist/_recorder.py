@@ -31,6 +31,7 @@ from ._common import (
 from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import TAG as _TAG
 from ._common import clone_strided as _clone_strided
+from ._fastpath import rows_to_columns
 from ._modes import CaptureMode, SubclassMode
 from ._modules import ModuleTracker
 from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
@@ -534,14 +535,7 @@ class Recorder:
     # -- end of capture -----------------------------------------------------------------------------------
     def columns(self) -> dict[str, list]:
         """The rows as columns (schema order), start times moved to the epoch clock, CUDA times resolved."""
-        names = field_names(OP_FIELDS)
-        if self.rows:
-            assert len(self.rows[0]) == len(names), "recorder row layout out of step with schema.OP_FIELDS"
-            columns = {name: list(col) for name, col in zip(names, zip(*self.rows))}
-        else:
-            columns = {name: [] for name in names}
-        offset = self.clock_offset_ns
-        columns["start_ns"] = [t + offset for t in columns["start_ns"]]
+        columns = rows_to_columns(self.rows, field_names(OP_FIELDS), "start_ns", self.clock_offset_ns)
         if self.cuda_events:
             torch.cuda.synchronize()
             durations = columns["duration_ns"]

@@ -40,7 +40,7 @@ PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base, *s_itemsize, *s_saving;
+    *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride;
 
 /* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
 static PyObject *
@@ -188,10 +188,8 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     }
 
     if (mutates) {
-        PyObject *r = PyObject_CallFunctionObjArgs(self->note_writes, index, written, NULL);
-        if (r == NULL)
+        if (note_writes(self, index, written) < 0)
             goto cleanup;
-        Py_DECREF(r);
         int views = PyList_GET_SIZE(outs) > 0 ? any_base(written) : 0;
         if (views < 0)
             goto cleanup;
@@ -397,7 +395,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->writes = PyObject_GetAttrString(rec, "_writes");
     self->backward_sources = PyObject_GetAttrString(rec, "_backward_sources");
     self->token = PyObject_GetAttrString(rec, "token");
-    self->written_since = PyObject_GetAttrString(rec, "_written_since");
+    self->written_storage = PyObject_GetAttrString(rec, "_written_storage");
     self->record_failure = PyObject_GetAttrString(rec, "_record_failure");
     self->link_pending = PyObject_GetAttrString(training, "link_pending");
     self->phase_special = PyObject_GetAttrString(phases, "special");
@@ -405,7 +403,6 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->owner_of = PyObject_GetAttrString(modules, "owner_of");
     self->locate = PyObject_GetAttrString(rec, "locate");
     self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
-    self->note_writes = PyObject_GetAttrString(rec, "_note_writes");
     self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
     self->before_write = PyObject_GetAttrString(rec, "_before_write");
     self->hooks_on = attr_true(training, s_hooks_on);
@@ -427,13 +424,13 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     }
     Py_DECREF(phases);
     if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
-        !self->backward_sources || !self->token || !self->written_since || !self->record_failure ||
+        !self->backward_sources || !self->token || !self->written_storage || !self->record_failure ||
         !self->link_pending || !self->phase_special || !self->recomputed || !self->owner_of ||
-        !self->locate || !self->storage_refs || !self->note_writes || !self->with_written_bases ||
+        !self->locate || !self->storage_refs || !self->with_written_bases ||
         !self->before_write)
         return -1;
     if (!PyList_Check(self->rows) || !PyDict_Check(self->label_counts) || !PyDict_Check(self->params) ||
-        !PyDict_Check(self->writes) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs)) {
+        !PyDict_Check(self->writes) || !PyDict_Check(self->written_storage) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs)) {
         PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
         return -1;
     }
@@ -443,9 +440,9 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
 /* Every object a FastOp holds: what the GC clears and visits. */
 #define FASTOP_OBJECTS(X) \
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
-    X(training) X(link_pending) X(written_since) X(record_failure) X(phase_special) X(recomputed) \
+    X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(note_writes) X(storage_refs) X(save_op) X(before_write)
+    X(storage_refs) X(save_op) X(before_write)
 
 static int
 fastop_clear(FastOp *self)
@@ -565,6 +562,8 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))fastop_configure, METH_VARARGS | METH_KEYWORDS,
      PyDoc_STR("configure(**objects): the torch and tl_dist objects the fast path calls (once, at import).")},
+    {"columns", fastop_columns, METH_VARARGS,
+     PyDoc_STR("columns(rows, width, shift_field, shift): the rows as `width` lists, `shift` added to one field.")},
     {NULL, NULL, 0, NULL},
 };
 
@@ -613,6 +612,10 @@ PyInit__fastop(void)
     INTERN(s_data_ptr, "data_ptr");
     INTERN(s_base, "_base");
     INTERN(s_itemsize, "itemsize");
+    INTERN(s_storage_offset, "storage_offset");
+    INTERN(s_is_contiguous, "is_contiguous");
+    INTERN(s_numel, "numel");
+    INTERN(s_stride, "stride");
     if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL)
         return NULL;
     if (PyType_Ready(&FastOpType) < 0)

@@ -1,5 +1,6 @@
-/* Shared by the two halves of the compiled per-op path (tl_dist/_fastpath.py): record.c, what one op's row
- * is made of, and fastop.c, the dispatch that builds it, the FastOp type and the module. */
+/* Shared by the parts of the compiled per-op path (tl_dist/_fastpath.py): record.c, what one op's row is made
+ * of; fastop.c, the dispatch that builds it, the FastOp type and the module; writes.c, the in-place write log;
+ * columns.c, the rows as columns. */
 #ifndef TL_DIST_FASTOP_H
 #define TL_DIST_FASTOP_H
 #define PY_SSIZE_T_CLEAN
@@ -23,7 +24,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base, *s_itemsize, *s_saving;
+    *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SIZE };
@@ -45,11 +46,12 @@ typedef struct {
     PyObject *on_op;            /* rec.on_op: the slow path */
     PyObject *rows, *label_counts, *params, *writes, *backward_sources, *token;
     PyObject *modules, *training;
-    PyObject *link_pending, *written_since, *record_failure, *phase_special, *recomputed, *owner_of;
+    PyObject *link_pending, *record_failure, *phase_special, *recomputed, *owner_of;
     PyObject *locate;           /* rec.locate: the user's file:line of an op, or None when not recorded */
     PyObject *mode;             /* weak reference to the mode this is the __torch_dispatch__ of */
     PyObject *storage_refs;     /* rec._storage_refs: saved tensors to copy before a write (saving windows) */
-    PyObject *note_writes, *with_written_bases;
+    PyObject *written_storage;  /* rec._written_storage: the in-place write log's storages (writes.c) */
+    PyObject *with_written_bases;
     PyObject *before_write;     /* rec._before_write: copies saved tensors an in-place op would overwrite */
     int hooks_on;               /* training.hooks_on: gradient hooks on each output's node (fixed per window) */
     int stats_on;               /* rec.stats_on: output statistics (TrainingState.out_stats, in Python) */
@@ -84,5 +86,9 @@ int describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyOb
                      PyObject **device, long long *out_bytes, PyObject **link);
 void place_clear(struct place *pl);
 int place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl);
+PyObject * fastop_columns(PyObject *module, PyObject *args);
+int add_parent(PyObject *parents, PyObject *op);
+int note_writes(FastOp *self, PyObject *index, PyObject *written);
+int add_writer(FastOp *self, PyObject *parents, PyObject *t, long since);
 
 #endif

@@ -149,7 +149,7 @@ done:
 }
 
 /* Appends each distinct value of an int-like op index to parents (a list kept in first-seen order). */
-static int
+int
 add_parent(PyObject *parents, PyObject *op)
 {
     Py_ssize_t n = PyList_GET_SIZE(parents);
@@ -159,50 +159,6 @@ add_parent(PyObject *parents, PyObject *op)
             return eq < 0 ? -1 : 0;
     }
     return PyList_Append(parents, op);
-}
-
-/* storage_key(t): the address of t's storage, or NULL with no error when it has none to write (sparse, an
- * empty storage, a wrapper subclass); NULL with an error set for anything else. */
-static PyObject *
-storage_key(PyObject *t)
-{
-    PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
-    PyObject *key = NULL;
-    if (storage != NULL) {
-        PyObject *nbytes = PyObject_CallMethodNoArgs(storage, s_nbytes);
-        int empty = nbytes == NULL ? -1 : !PyObject_IsTrue(nbytes);
-        Py_XDECREF(nbytes);
-        if (empty == 0)
-            key = PyObject_CallMethodNoArgs(storage, s_data_ptr);
-        Py_DECREF(storage);
-        if (empty == 1)
-            return NULL;
-    }
-    if (key == NULL && (PyErr_ExceptionMatches(PyExc_NotImplementedError) || PyErr_ExceptionMatches(PyExc_RuntimeError)))
-        PyErr_Clear();
-    return key;
-}
-
-/* Adds to parents the latest in-place write into t's memory after op `since`, as Recorder.on_op does: 1 if
- * there was one, 0 if not, -1 with an error set. Most inputs' memory was never written in the window: that is
- * checked here, Recorder._written_since does the rest. */
-static int
-add_writer(FastOp *self, PyObject *parents, PyObject *t, PyObject *since)
-{
-    PyObject *key = storage_key(t);
-    if (key == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    int written = PyDict_Contains(self->writes, key);
-    Py_DECREF(key);
-    if (written <= 0)
-        return written;
-    PyObject *writer = PyObject_CallFunctionObjArgs(self->written_since, t, since, NULL);
-    if (writer == NULL)
-        return -1;
-    long w = PyLong_AsLong(writer);
-    int rc = (w == -1 && PyErr_Occurred()) ? -1 : (w >= 0 ? add_parent(parents, writer) : 0);
-    Py_DECREF(writer);
-    return rc < 0 ? -1 : w >= 0;
 }
 
 /* The label of the n-th call of a func in a window, the same string object in every window. */
@@ -492,7 +448,7 @@ scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_
                 if (p == -1 && PyErr_Occurred())
                     rc = -1;
                 else if (last > p) /* an alias was written in place after t was made */
-                    rc = add_writer(self, parents, t, producer);
+                    rc = add_writer(self, parents, t, p);
             }
             if (rc >= 0 && srcs != NULL) { /* the writer holds t's value now, not its producer's output */
                 PyObject *src = rc == 1 ? Py_NewRef(Py_None) : PyTuple_Pack(2, producer, PyTuple_GET_ITEM(tag, 2));
@@ -514,13 +470,8 @@ scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_
         Py_DECREF(key);
         if ((name == NULL && PyErr_Occurred()) || (name != NULL && PyList_Append(param_names, name) < 0))
             return -1;
-        if (writes) { /* e.g. a parameter the optimizer updated earlier in the window */
-            PyObject *minus_one = PyLong_FromLong(-1);
-            int rc = minus_one == NULL ? -1 : add_writer(self, parents, t, minus_one);
-            Py_XDECREF(minus_one);
-            if (rc < 0)
-                return -1;
-        }
+        if (writes && add_writer(self, parents, t, -1) < 0) /* a parameter the optimizer updated earlier */
+            return -1;
     }
     return 0;
 }

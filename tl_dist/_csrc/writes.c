@@ -1,0 +1,230 @@
+/* The window's in-place write log, as Recorder._note_writes and Recorder._written_since keep and read it:
+ * rec._writes maps a storage's address to [(op, first byte, end byte)] of the writes into it, and
+ * rec._written_storage that address to a weak reference to the storage (an address reused by a new storage
+ * is a new log). Kept in C for the compiled path: a training step writes in place ~200 times (the
+ * optimizer, gradient accumulation, ReLU(inplace=True)) and reads parameters after writes ~1,000 times. */
+#include "fastop.h"
+
+static PyObject *
+call_method(PyObject *obj, PyObject *name)
+{
+    return PyObject_CallMethodNoArgs(obj, name);
+}
+
+/* t.untyped_storage(), or NULL with no error where it has none (sparse: NotImplementedError). */
+static PyObject *
+storage_of(PyObject *t)
+{
+    PyObject *storage = call_method(t, s_untyped_storage);
+    if (storage == NULL && PyErr_ExceptionMatches(PyExc_NotImplementedError))
+        PyErr_Clear();
+    return storage;
+}
+
+/* _common.storage_address: the storage's address, or NULL with no error when it is empty or has none. */
+static PyObject *
+storage_address(PyObject *storage)
+{
+    PyObject *nbytes = call_method(storage, s_nbytes);
+    int empty = nbytes == NULL ? -1 : !PyObject_IsTrue(nbytes);
+    Py_XDECREF(nbytes);
+    PyObject *key = empty == 0 ? call_method(storage, s_data_ptr) : NULL;
+    if (key == NULL && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_RuntimeError))
+        PyErr_Clear();
+    return key;
+}
+
+static int
+long_of(PyObject *obj, PyObject *method, long long *value)
+{
+    PyObject *r = call_method(obj, method);
+    if (r == NULL)
+        return -1;
+    *value = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* _common.byte_extent: [*lo, *hi) bytes of its storage t can touch (a superset for strided views). */
+static int
+byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi)
+{
+    long long offset, itemsize, numel;
+    if (long_of(t, s_storage_offset, &offset) < 0 || long_of(t, s_element_size, &itemsize) < 0)
+        return -1;
+    PyObject *contiguous = call_method(t, s_is_contiguous);
+    int dense = contiguous == NULL ? -1 : PyObject_IsTrue(contiguous);
+    Py_XDECREF(contiguous);
+    if (dense < 0)
+        return -1;
+    if (dense) {
+        if (long_of(t, s_numel, &numel) < 0)
+            return -1;
+        *lo = numel ? offset * itemsize : 0;
+        *hi = numel ? (offset + numel) * itemsize : 0;
+        return 0;
+    }
+    PyObject *strides = call_method(t, s_stride);
+    if (strides == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) /* a nested tensor: no strides; any byte of it */
+            return -1;
+        PyErr_Clear();
+        *lo = 0;
+        return long_of(storage, s_nbytes, hi);
+    }
+    PyObject *shape = PyObject_GetAttr(t, s_shape);
+    PyObject *sizes = shape == NULL ? NULL : PySequence_Fast(shape, "shape");
+    PyObject *steps = sizes == NULL ? NULL : PySequence_Fast(strides, "stride()");
+    Py_XDECREF(shape);
+    Py_DECREF(strides);
+    if (steps == NULL) {
+        Py_XDECREF(sizes);
+        return -1;
+    }
+    long long end = offset + 1;
+    Py_ssize_t dims = Py_MIN(PySequence_Fast_GET_SIZE(sizes), PySequence_Fast_GET_SIZE(steps));
+    int rc = 0, empty = 0;
+    for (Py_ssize_t d = 0; d < dims && !empty; d++) {
+        long long size = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(sizes, d));
+        long long step = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(steps, d));
+        if ((size == -1 || step == -1) && PyErr_Occurred()) {
+            rc = -1;
+            break;
+        }
+        if (size == 0)
+            empty = 1;
+        else
+            end += (size - 1) * (step < 0 ? -step : step);
+    }
+    Py_DECREF(sizes);
+    Py_DECREF(steps);
+    *lo = empty ? 0 : offset * itemsize;
+    *hi = empty ? 0 : end * itemsize;
+    return rc;
+}
+
+/* Whether rec._written_storage[key] is a reference to `storage`: 1, 0, or -1 with an error set. */
+static int
+same_storage(FastOp *self, PyObject *key, PyObject *storage)
+{
+    PyObject *owner = PyDict_GetItemWithError(self->written_storage, key);
+    if (owner == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyWeakref_Check(owner)) {
+        PyErr_SetString(PyExc_TypeError, "tl_dist: Recorder._written_storage holds weak references");
+        return -1;
+    }
+    return PyWeakref_GetObject(owner) == storage;
+}
+
+int
+note_writes(FastOp *self, PyObject *index, PyObject *written)
+{
+    if (PyObject_SetAttr(self->rec, s_last_write, index) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(written); i++) {
+        PyObject *t = PyList_GET_ITEM(written, i);
+        PyObject *storage = storage_of(t);
+        if (storage == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            continue;
+        }
+        PyObject *key = storage_address(storage);
+        long long lo = 0, hi = 0;
+        int rc = key == NULL ? (PyErr_Occurred() ? -1 : 0) : byte_extent(t, storage, &lo, &hi);
+        if (rc == 0 && key != NULL && hi > lo) {
+            PyObject *entry = Py_BuildValue("(OLL)", index, lo, hi);
+            int same = entry == NULL ? -1 : same_storage(self, key, storage);
+            if (same == 1) {
+                PyObject *entries = PyDict_GetItemWithError(self->writes, key);
+                rc = entries != NULL && PyList_Check(entries) ? PyList_Append(entries, entry) : -1;
+                if (entries == NULL && !PyErr_Occurred())
+                    PyErr_SetString(PyExc_KeyError, "tl_dist: a written storage without its write log");
+            } else if (same == 0) {
+                PyObject *ref = PyWeakref_NewRef(storage, NULL);
+                PyObject *entries = ref == NULL ? NULL : PyList_New(1);
+                if (entries != NULL) {
+                    PyList_SET_ITEM(entries, 0, Py_NewRef(entry));
+                    rc = PyDict_SetItem(self->written_storage, key, ref) < 0 ||
+                                 PyDict_SetItem(self->writes, key, entries) < 0
+                             ? -1
+                             : 0;
+                } else {
+                    rc = -1;
+                }
+                Py_XDECREF(ref);
+                Py_XDECREF(entries);
+            } else {
+                rc = -1;
+            }
+            Py_XDECREF(entry);
+        }
+        Py_XDECREF(key);
+        Py_DECREF(storage);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Recorder._written_since: the latest op after op `since` that wrote in place into memory t covers, or -1;
+ * -2 with an error set. */
+static long
+written_since(FastOp *self, PyObject *t, PyObject *storage, PyObject *key, long since)
+{
+    PyObject *entries = PyDict_GetItemWithError(self->writes, key);
+    if (entries == NULL)
+        return PyErr_Occurred() ? -2 : -1;
+    if (!PyList_Check(entries) || PyList_GET_SIZE(entries) == 0)
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(entries);
+    long last = PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(entries, n - 1), 0));
+    if (last == -1 && PyErr_Occurred())
+        return -2;
+    if (last <= since)
+        return -1;
+    int same = same_storage(self, key, storage);
+    if (same <= 0)
+        return same < 0 ? -2 : -1;
+    long long lo, hi;
+    if (byte_extent(t, storage, &lo, &hi) < 0)
+        return -2;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        PyObject *entry = PyList_GET_ITEM(entries, i);
+        long op = PyLong_AsLong(PyTuple_GET_ITEM(entry, 0));
+        long long wlo = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
+        long long whi = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 2));
+        if (PyErr_Occurred())
+            return -2;
+        if (op <= since)
+            break;
+        if (wlo < hi && lo < whi)
+            return op;
+    }
+    return -1;
+}
+
+int
+add_writer(FastOp *self, PyObject *parents, PyObject *t, long since)
+{
+    PyObject *storage = storage_of(t);
+    if (storage == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *key = storage_address(storage);
+    long writer = -1;
+    if (key == NULL) {
+        writer = PyErr_Occurred() ? -2 : -1;
+    } else {
+        int written = PyDict_Contains(self->writes, key); /* most inputs' memory was never written */
+        writer = written < 0 ? -2 : written ? written_since(self, t, storage, key, since) : -1;
+        Py_DECREF(key);
+    }
+    Py_DECREF(storage);
+    if (writer < 0)
+        return writer == -2 ? -1 : 0;
+    PyObject *op = PyLong_FromLong(writer);
+    int rc = op == NULL ? -1 : add_parent(parents, op);
+    Py_XDECREF(op);
+    return rc < 0 ? -1 : 1;
+}
