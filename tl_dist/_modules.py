@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as nn_module
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 from ._common import TAG, TORCH_DIR
 from .schema import MODULE_CALL_FIELDS, empty_columns
@@ -46,6 +46,25 @@ _graph_task_id = torch._C._current_graph_task_id
 # Constant True while Dynamo traces (it inlines the global module hooks into the frame it compiles: a call
 # into torch._C there would break the graph, and a frame that breaks before its first op is never compiled).
 _compiling = torch.compiler.is_compiling
+
+
+_FLAT_TUPLE_SPECS: dict[int, Any] = {}  # n -> the spec of a plain tuple of n leaves
+
+
+def _flatten(output: Any) -> tuple[list, Any]:
+    """``tree_flatten(output)``, without the pytree walk for what modules mostly return: a tensor, or a plain
+    tuple of tensors and Nones (``nn.MultiheadAttention``'s ``(out, None)``), whose spec depends only on its
+    length."""
+    if isinstance(output, torch.Tensor) and type(output) not in SUPPORTED_NODES:
+        return [output], _LEAF_SPEC
+    if type(output) is tuple and all(
+        v is None or (isinstance(v, torch.Tensor) and type(v) not in SUPPORTED_NODES) for v in output
+    ):
+        spec = _FLAT_TUPLE_SPECS.get(len(output))
+        if spec is None:
+            spec = _FLAT_TUPLE_SPECS[len(output)] = tree_flatten(output)[1]
+        return list(output), spec
+    return tree_flatten(output)
 
 
 def _strip_compiled(name: str) -> str:
@@ -291,10 +310,7 @@ class ModuleTracker:
         self._set_current()
         if row < 0:
             return
-        if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
-            leaves, spec = [output], _LEAF_SPEC
-        else:
-            leaves, spec = tree_flatten(output)
+        leaves, spec = _flatten(output)
         address = self.calls["address"][row]
         edited = self.edits is not None and self.edits.module_output(address, leaves)
         out_ops, out_pos = self._recorder.module_output(address, leaves)

@@ -34,8 +34,13 @@ fastop_columns(PyObject *module, PyObject *args)
             return NULL;
         }
         PyList_SET_ITEM(columns, f, column);
-        for (Py_ssize_t k = 0; k < n; k++) {
-            PyObject *value = PyTuple_GET_ITEM(PyList_GET_ITEM(rows, k), f);
+    }
+    /* Row by row: each row's tuple is read once (its values are scattered over the heap; going down a column
+     * at a time would walk all of them once per field). */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *row = PyList_GET_ITEM(rows, k);
+        for (Py_ssize_t f = 0; f < width; f++) {
+            PyObject *value = PyTuple_GET_ITEM(row, f);
             if (f == shift_field) {
                 value = PyNumber_Add(value, shift);
                 if (value == NULL) {
@@ -45,7 +50,7 @@ fastop_columns(PyObject *module, PyObject *args)
             } else {
                 Py_INCREF(value);
             }
-            PyList_SET_ITEM(column, k, value);
+            PyList_SET_ITEM(PyList_GET_ITEM(columns, f), k, value);
         }
     }
     return columns;

@@ -65,7 +65,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         kwargs = NULL;
 
     PyObject *result = NULL;
-    PyObject *tensors = NULL, *parents = NULL, *param_names = NULL, *t0 = NULL, *t1 = NULL, *out = NULL;
+    PyObject *tensors = NULL, *parents = NULL, *param_names = NULL, *t0 = NULL, *out = NULL;
     PyObject *outs = NULL, *index = NULL, *label = NULL, *dtype = NULL, *device = NULL, *link = NULL;
     PyObject *in_shapes = NULL, *out_shapes = NULL, *flops = NULL, *row = NULL;
     PyObject *count = NULL, *pending = NULL, *written = NULL, *srcs = NULL, *save_kwargs = NULL;
@@ -160,11 +160,11 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
 
     /* The op. */
     PyObject *info = PyTuple_GET_ITEM(entry, E_INFO);
-    t0 = now_ns();
-    if (t0 == NULL || (out = run_op(self, entry, args, kwargs)) == NULL)
+    long long start = clock_ns();
+    if ((start == -1 && PyErr_Occurred()) || (out = run_op(self, entry, args, kwargs)) == NULL)
         goto cleanup;
-    t1 = now_ns();
-    if (t1 == NULL)
+    long long end = clock_ns();
+    if ((end == -1 && PyErr_Occurred()) || (t0 = PyLong_FromLongLong(start)) == NULL)
         goto cleanup;
     index = PyObject_GetAttr(self->rec, s_n_ops);
     if (index == NULL)
@@ -258,7 +258,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
 
     PyObject *parents_tuple = PyList_AsTuple(parents);
     PyObject *params_tuple = parents_tuple == NULL ? NULL : PyList_AsTuple(param_names);
-    PyObject *duration = params_tuple == NULL ? NULL : PyNumber_Subtract(t1, t0);
+    PyObject *duration = params_tuple == NULL ? NULL : PyLong_FromLongLong(end - start);
     PyObject *bytes = duration == NULL ? NULL : PyLong_FromLongLong(out_bytes);
     if (bytes == NULL) {
         Py_XDECREF(parents_tuple);
@@ -333,7 +333,6 @@ cleanup:
     Py_XDECREF(parents);
     Py_XDECREF(param_names);
     Py_XDECREF(t0);
-    Py_XDECREF(t1);
     Py_XDECREF(out);
     Py_XDECREF(outs);
     Py_XDECREF(index);

@@ -68,7 +68,7 @@ struct place {
 };
 
 int attr_true(PyObject *obj, PyObject *name);
-PyObject * now_ns(void);
+long long clock_ns(void); /* time.perf_counter_ns(); -1 with an error set */
 int is_tensor(PyObject *o);
 void untrack_atomic(PyObject *t);
 PyObject * entry_of(PyObject *func);

@@ -15,16 +15,19 @@ lookup_attr(PyObject *obj, PyObject *name, PyObject **result)
 #endif
 }
 
-PyObject *
-now_ns(void)
+long long
+clock_ns(void)
 {
 #if defined(__linux__)
     /* time.perf_counter_ns() is CLOCK_MONOTONIC on Linux; the rest of tl_dist compares against it. */
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 #else
-    return PyObject_CallNoArgs(g_perf_counter_ns);
+    PyObject *t = PyObject_CallNoArgs(g_perf_counter_ns);
+    long long ns = t == NULL ? -1 : PyLong_AsLongLong(t);
+    Py_XDECREF(t);
+    return ns;
 #endif
 }
 
