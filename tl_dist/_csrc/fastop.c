@@ -91,7 +91,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         slow = 1;
         goto cleanup;
     }
-    PyObject *edits = PyObject_GetAttr(self->rec, s_edits);
+    PyObject *edits = rec_get(self, s_edits);
     if (edits == NULL)
         goto cleanup;
     Py_DECREF(edits);
@@ -118,7 +118,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (mutates && (written = mutated_tensors(mutated, args, kwargs)) == NULL)
         goto cleanup;
 
-    pending = PyObject_GetAttr(self->rec, s_pending);
+    pending = rec_get(self, s_pending);
     if (pending == NULL || (pending != Py_None && link_pending(self, pending) < 0))
         goto cleanup;
 
@@ -166,7 +166,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     long long end = clock_ns();
     if ((end == -1 && PyErr_Occurred()) || (t0 = PyLong_FromLongLong(start)) == NULL)
         goto cleanup;
-    index = PyObject_GetAttr(self->rec, s_n_ops);
+    index = rec_get(self, s_n_ops);
     if (index == NULL)
         goto cleanup;
     long idx = PyLong_AsLong(index);
@@ -299,7 +299,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         Py_DECREF(grad);
         if (enabled) {
             PyObject *next = PyTuple_Pack(2, link, outs);
-            int rc = next == NULL ? -1 : PyObject_SetAttr(self->rec, s_pending, next);
+            int rc = next == NULL ? -1 : rec_set(self, s_pending, next);
             Py_XDECREF(next);
             if (rc < 0)
                 goto cleanup;
@@ -312,7 +312,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         Py_DECREF(r);
     }
     PyObject *next_index = PyLong_FromLong(idx + 1);
-    int rc = next_index == NULL ? -1 : PyObject_SetAttr(self->rec, s_n_ops, next_index);
+    int rc = next_index == NULL ? -1 : rec_set(self, s_n_ops, next_index);
     Py_XDECREF(next_index);
     if (rc < 0)
         goto cleanup;
@@ -359,6 +359,33 @@ cleanup:
 
 /* -- the FastOp type ------------------------------------------------------------------------------------ */
 
+/* state_dict: rec.__dict__ when the per-op state names are plain attributes there (rec_get, rec_set). */
+static int
+plain_state(FastOp *self)
+{
+    PyObject *names[] = {s_pending, s_n_ops, s_edits, s_phase, s_last_write, s_step_source};
+    PyObject *dict = PyObject_GetAttrString(self->rec, "__dict__");
+    if (dict == NULL) {
+        PyErr_Clear(); /* no instance dict (__slots__): getattr it is */
+        return 0;
+    }
+    int plain = PyDict_CheckExact(dict);
+    for (size_t i = 0; plain && i < sizeof(names) / sizeof(names[0]); i++) {
+        PyObject *on_class = NULL;
+        if (lookup_attr((PyObject *)Py_TYPE(self->rec), names[i], &on_class) < 0) {
+            Py_DECREF(dict);
+            return -1;
+        }
+        plain = on_class == NULL && PyDict_Contains(dict, names[i]) == 1;
+        Py_XDECREF(on_class);
+    }
+    if (plain)
+        self->state_dict = dict;
+    else
+        Py_DECREF(dict);
+    return 0;
+}
+
 static int
 fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
 {
@@ -378,6 +405,12 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->rec = Py_NewRef(rec);
+    if (plain_state(self) < 0) {
+        Py_DECREF(modules);
+        Py_DECREF(training);
+        Py_DECREF(phases);
+        return -1;
+    }
     self->mode = PyWeakref_NewRef(mode, NULL);
     if (self->mode == NULL) {
         Py_DECREF(modules);
@@ -438,7 +471,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
 
 /* Every object a FastOp holds: what the GC clears and visits. */
 #define FASTOP_OBJECTS(X) \
-    X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
+    X(rec) X(state_dict) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
     X(storage_refs) X(save_op) X(before_write)

@@ -43,6 +43,7 @@ extern int g_slot[N_FIELDS]; /* F_* -> position in the row */
 typedef struct {
     PyObject_HEAD
     PyObject *rec;              /* the Recorder */
+    PyObject *state_dict;       /* rec.__dict__, where its per-op state is read and written; or NULL */
     PyObject *on_op;            /* rec.on_op: the slow path */
     PyObject *rows, *label_counts, *params, *writes, *backward_sources, *token;
     PyObject *modules, *training;
@@ -68,6 +69,9 @@ struct place {
 };
 
 int attr_true(PyObject *obj, PyObject *name);
+int lookup_attr(PyObject *obj, PyObject *name, PyObject **result);
+PyObject * rec_get(FastOp *self, PyObject *name);
+int rec_set(FastOp *self, PyObject *name, PyObject *value);
 long long clock_ns(void); /* time.perf_counter_ns(); -1 with an error set */
 int is_tensor(PyObject *o);
 void untrack_atomic(PyObject *t);

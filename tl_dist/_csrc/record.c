@@ -5,7 +5,7 @@
 
 #include <time.h>
 
-static int
+int
 lookup_attr(PyObject *obj, PyObject *name, PyObject **result)
 {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -29,6 +29,27 @@ clock_ns(void)
     Py_XDECREF(t);
     return ns;
 #endif
+}
+
+/* The recorder's per-op state (n_ops, pending, phase, ...) read and written in its instance dict: they are
+ * plain attributes (FastOp() checks its class has none of those names, else state_dict stays NULL and these
+ * go through getattr), and a dict lookup is a third of getattr's walk through the class first. */
+PyObject *
+rec_get(FastOp *self, PyObject *name)
+{
+    if (self->state_dict == NULL)
+        return PyObject_GetAttr(self->rec, name);
+    PyObject *value = PyDict_GetItemWithError(self->state_dict, name);
+    if (value == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_AttributeError, "tl_dist: the recorder has no attribute %U", name);
+    return Py_XNewRef(value);
+}
+
+int
+rec_set(FastOp *self, PyObject *name, PyObject *value)
+{
+    return self->state_dict == NULL ? PyObject_SetAttr(self->rec, name, value)
+                                    : PyDict_SetItem(self->state_dict, name, value);
 }
 
 int
@@ -114,7 +135,7 @@ link_pending(FastOp *self, PyObject *pending)
     }
     PyObject *link = PyTuple_GET_ITEM(pending, 0);
     Py_INCREF(pending); /* keeps link and outs alive past the reset */
-    if (PyObject_SetAttr(self->rec, s_pending, Py_None) < 0) {
+    if (rec_set(self, s_pending, Py_None) < 0) {
         Py_DECREF(pending);
         return -1;
     }
@@ -365,7 +386,7 @@ forward_source(FastOp *self, PyObject *phase)
     if (optimizer == -1 && PyErr_Occurred())
         return NULL;
     if (optimizer == 0) { /* every op of one step() call has that call's source */
-        PyObject *step = PyObject_GetAttr(self->rec, s_step_source);
+        PyObject *step = rec_get(self, s_step_source);
         if (step == NULL || step != Py_None)
             return step;
         Py_DECREF(step);
@@ -422,7 +443,7 @@ scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_
     int writes = PyDict_GET_SIZE(self->writes) > 0;
     long last = -1;
     if (writes) {
-        PyObject *last_write = PyObject_GetAttr(self->rec, s_last_write);
+        PyObject *last_write = rec_get(self, s_last_write);
         if (last_write == NULL)
             return -1;
         last = PyLong_AsLong(last_write);
@@ -637,7 +658,7 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
         goto done;
     PyObject *modules = self->modules;
     if (task_id == -1) {
-        pl->phase = PyObject_GetAttr(self->rec, s_phase);
+        pl->phase = rec_get(self, s_phase);
         if (pl->phase == NULL)
             goto done;
         if (PyTuple_GET_ITEM(entry, E_SPECIAL) == Py_True) {
