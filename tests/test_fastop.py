@@ -386,3 +386,25 @@ def test_windows_leave_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     windows(50)
     before = windows(1)
     assert windows(200) - before < 2 * 200
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["c", "python"])
+def test_rows_become_columns(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    # The window's close: rows to one list per field, the clock shift added to one field, in C or in Python.
+    if compiled and _fastpath._fastop is None:
+        pytest.skip("tl_dist._fastop is not built")
+    if not compiled:
+        monkeypatch.setattr(_fastpath, "_fastop", None)
+    rows = [(0, "relu_1", 10), (1, "add_1", 25), (2, "mm_1", 40)]
+    columns = _fastpath.rows_to_columns(rows, ("index", "label", "start_ns"), "start_ns", 1_000)
+    assert columns == {
+        "index": [0, 1, 2],
+        "label": ["relu_1", "add_1", "mm_1"],
+        "start_ns": [1010, 1025, 1040],
+    }
+    assert _fastpath.rows_to_columns([], ("index", "start_ns"), "start_ns", 5) == {
+        "index": [],
+        "start_ns": [],
+    }
+    with pytest.raises(ValueError, match="3 values"):
+        _fastpath.rows_to_columns([(0, "a", 1), (1, "b")], ("index", "label", "start_ns"), "start_ns", 0)
