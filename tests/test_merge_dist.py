@@ -365,8 +365,9 @@ def test_straggler_and_clock_shift(tmp_path):
     clock = g.clocks.set_index("rank").loc[1]
     assert clock.method == "estimated" and clock.host == "host1" and clock.collectives == 52
     # Both ranks really read one clock, shifted by exactly `shift` on rank 1: recovered within the reported
-    # uncertainty, which the collectives with alternating last arrivers keep under 1 ms.
-    assert abs(g.offsets[(1, 1)] - shift) <= clock.uncertainty_ns < 1_000_000, g.clocks
+    # uncertainty, which the collectives with alternating last arrivers keep within a few scheduling delays
+    # (under 1 ms on an idle machine; 1.002 ms seen with a valgrind run beside the suite on 2 cores).
+    assert abs(g.offsets[(1, 1)] - shift) <= clock.uncertainty_ns < 2_000_000, g.clocks
     strag = g.stragglers()
     assert list(strag["rank"]) == [1, 0]
     # rank 0 waited ~200 ms in each of the 4 all_reduces. The machine's 2 cores are shared with other jobs, so
