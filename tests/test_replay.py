@@ -14,12 +14,10 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from zoo import ZOO, Buffers, DataBranch, InPlace, LoopRNN, ResCNN, TorchEncoder
+from zoo import UNINITIALIZED_FUNCS, ZOO, Buffers, DataBranch, InPlace, LoopRNN, ResCNN, TorchEncoder
 
 import tl_dist as tl
 
-# Ops whose output is uninitialised memory: nothing to reproduce (the op that fills it is compared instead).
-_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 # (func, output): scratch memory a kernel returns, partly unwritten (oneDNN's LSTM workspace for backward).
 _SCRATCH = {("mkldnn_rnn_layer", 3)}
 
@@ -44,7 +42,7 @@ def test_unedited_replay_reproduces_every_value(entry: Any, mode: str) -> None:
     cols = trace.columns
     compared = 0
     for i, outs in trace.saved.items():
-        if cols["phase"][i] != "forward" or cols["func"][i] in _UNINITIALISED:
+        if cols["phase"][i] != "forward" or cols["func"][i] in UNINITIALIZED_FUNCS:
             continue
         for pos, (want, got) in enumerate(zip(outs, replayed.saved[i])):
             if want is not None and (cols["func"][i], pos) not in _SCRATCH:

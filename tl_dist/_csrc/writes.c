@@ -5,17 +5,11 @@
  * optimizer, gradient accumulation, ReLU(inplace=True)) and reads parameters after writes ~1,000 times. */
 #include "fastop.h"
 
-static PyObject *
-call_method(PyObject *obj, PyObject *name)
-{
-    return PyObject_CallMethodNoArgs(obj, name);
-}
-
 /* t.untyped_storage(), or NULL with no error where it has none (sparse: NotImplementedError). */
 static PyObject *
 storage_of(PyObject *t)
 {
-    PyObject *storage = call_method(t, s_untyped_storage);
+    PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
     if (storage == NULL && PyErr_ExceptionMatches(PyExc_NotImplementedError))
         PyErr_Clear();
     return storage;
@@ -25,10 +19,10 @@ storage_of(PyObject *t)
 static PyObject *
 storage_address(PyObject *storage)
 {
-    PyObject *nbytes = call_method(storage, s_nbytes);
+    PyObject *nbytes = PyObject_CallMethodNoArgs(storage, s_nbytes);
     int empty = nbytes == NULL ? -1 : !PyObject_IsTrue(nbytes);
     Py_XDECREF(nbytes);
-    PyObject *key = empty == 0 ? call_method(storage, s_data_ptr) : NULL;
+    PyObject *key = empty == 0 ? PyObject_CallMethodNoArgs(storage, s_data_ptr) : NULL;
     if (key == NULL && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_RuntimeError))
         PyErr_Clear();
     return key;
@@ -37,7 +31,7 @@ storage_address(PyObject *storage)
 static int
 long_of(PyObject *obj, PyObject *method, long long *value)
 {
-    PyObject *r = call_method(obj, method);
+    PyObject *r = PyObject_CallMethodNoArgs(obj, method);
     if (r == NULL)
         return -1;
     *value = PyLong_AsLongLong(r);
@@ -52,7 +46,7 @@ byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi)
     long long offset, itemsize, numel;
     if (long_of(t, s_storage_offset, &offset) < 0 || long_of(t, s_element_size, &itemsize) < 0)
         return -1;
-    PyObject *contiguous = call_method(t, s_is_contiguous);
+    PyObject *contiguous = PyObject_CallMethodNoArgs(t, s_is_contiguous);
     int dense = contiguous == NULL ? -1 : PyObject_IsTrue(contiguous);
     Py_XDECREF(contiguous);
     if (dense < 0)
@@ -64,7 +58,7 @@ byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi)
         *hi = numel ? (offset + numel) * itemsize : 0;
         return 0;
     }
-    PyObject *strides = call_method(t, s_stride);
+    PyObject *strides = PyObject_CallMethodNoArgs(t, s_stride);
     if (strides == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) /* a nested tensor: no strides; any byte of it */
             return -1;
@@ -138,9 +132,13 @@ note_writes(FastOp *self, PyObject *index, PyObject *written)
             int same = entry == NULL ? -1 : same_storage(self, key, storage);
             if (same == 1) {
                 PyObject *entries = PyDict_GetItemWithError(self->writes, key);
-                rc = entries != NULL && PyList_Check(entries) ? PyList_Append(entries, entry) : -1;
-                if (entries == NULL && !PyErr_Occurred())
-                    PyErr_SetString(PyExc_KeyError, "tl_dist: a written storage without its write log");
+                if (entries != NULL && PyList_Check(entries)) {
+                    rc = PyList_Append(entries, entry);
+                } else { /* Recorder._note_writes keeps a list for every storage it logs */
+                    if (!PyErr_Occurred())
+                        PyErr_SetString(PyExc_TypeError, "tl_dist: a written storage without its write log list");
+                    rc = -1;
+                }
             } else if (same == 0) {
                 PyObject *ref = PyWeakref_NewRef(storage, NULL);
                 PyObject *entries = ref == NULL ? NULL : PyList_New(1);
