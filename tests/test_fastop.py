@@ -296,6 +296,33 @@ def test_output_bytes_count_each_output_at_its_own_dtype(monkeypatch: pytest.Mon
 
 
 @needs_extension
+def test_memoised_flops_tell_calls_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled path memoises shape-only FLOP formulas on (op, input shapes, other arguments): calls that
+    # differ only in a stride, in which optional tensor is given, or in a keyword must not share a count.
+    # Each call runs twice (the second is answered by the memo); the counts are 2 x MACs, by hand.
+    def build():  # noqa: ANN202
+        x, w = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3)
+        a, b = torch.randn(5, 6), torch.randn(6, 7)
+
+        def run() -> None:
+            for _ in range(2):
+                torch.nn.functional.conv2d(x, w, stride=1)  # out 1x4x6x6
+                torch.nn.functional.conv2d(x, w, stride=2)  # out 1x4x3x3
+                torch.nn.functional.conv2d(x, w, torch.zeros(4), stride=2, padding=1)  # out 1x4x4x4
+                a @ b
+                torch.mm(b.t(), a.t())  # 7x6 @ 6x5
+
+        return run
+
+    trace = _assert_same(monkeypatch, build)
+    got = [
+        f for f, func in zip(trace.columns["flops"], trace.columns["func"]) if func in ("convolution", "mm")
+    ]
+    per_pass = [2 * 36 * 4 * 27, 2 * 9 * 4 * 27, 2 * 16 * 4 * 27, 2 * 5 * 6 * 7, 2 * 7 * 6 * 5]
+    assert got == per_pass * 2
+
+
+@needs_extension
 def test_failing_op_is_recorded_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     failures = []
     for pure in (True, False):

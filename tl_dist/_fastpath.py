@@ -42,7 +42,8 @@ def _entry(func: Any) -> tuple | None:
     if info.comm is not None or info.tensor_lists or info.kind == "collective":
         return None
     special = info.func in SPECIAL
-    return (func, info, info.call, info.func, info.aten, info.kind, info.flop_fn, special, info.mutated)
+    memo = info.flops_from_shapes  # FLOPs from shapes alone: memoised in C (record.c, op_flops)
+    return (func, info, info.call, info.func, info.aten, info.kind, info.flop_fn, special, info.mutated, memo)
 
 
 def available() -> bool:

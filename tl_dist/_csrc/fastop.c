@@ -33,6 +33,7 @@ PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
 PyObject *g_perf_counter_ns, *g_current_node;
 PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
+PyObject *g_flop_memo;
 PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
 PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
@@ -106,7 +107,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     Py_ssize_t n_in = PyList_GET_SIZE(tensors);
     if (n_in > 0 && PyUnicode_Compare(kind, s_view) != 0) {
         /* Device time from CUDA events: Recorder.on_op. */
-        int cuda = attr_true(PyList_GET_ITEM(tensors, 0), s_is_cuda);
+        int cuda = tensor_true(PyList_GET_ITEM(tensors, 0), T_IS_CUDA);
         if (cuda != 0) {
             slow = cuda > 0;
             goto cleanup;
@@ -241,16 +242,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (describe_outputs(outs, out_shapes, token, index, &dtype, &device, &out_bytes, &link) < 0)
         goto cleanup;
 
-    PyObject *flop_fn = PyTuple_GET_ITEM(entry, E_FLOPS);
-    if (flop_fn == Py_None)
-        flops = PyLong_FromLong(0);
-    else
-    {
-        PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
-        flops = kw == NULL ? NULL : PyObject_CallFunctionObjArgs(g_flop_count, info, args, kw, out, NULL);
-        Py_XDECREF(kw);
-    }
-    if (flops == NULL)
+    if ((flops = op_flops(entry, args, kwargs, out, in_shapes)) == NULL)
         goto cleanup;
 
     if (place_op(self, entry, args, &pl) < 0)
@@ -587,7 +579,10 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
                             &g_accumulating_param, &g_perf_counter_ns, &g_tag};
     for (int i = 0; i < 17; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
+    if (set_tensor_getters() < 0)
+        return NULL;
     clear_entry_cache(); /* its entries came from the old g_entries */
+    PyDict_Clear(g_flop_memo); /* its counts came from the old flop_count */
     Py_RETURN_NONE;
 }
 
@@ -648,7 +643,7 @@ PyInit__fastop(void)
     INTERN(s_is_contiguous, "is_contiguous");
     INTERN(s_numel, "numel");
     INTERN(s_stride, "stride");
-    if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL)
+    if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL || (g_flop_memo = PyDict_New()) == NULL)
         return NULL;
     if (PyType_Ready(&FastOpType) < 0)
         return NULL;

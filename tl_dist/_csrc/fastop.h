@@ -15,6 +15,7 @@ extern PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 extern PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
 extern PyObject *g_perf_counter_ns, *g_current_node;
 extern PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
+extern PyObject *g_flop_memo;   /* (aten, input shapes, other arguments) -> FLOPs, for shape-only formulas */
 extern PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
 extern PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 
@@ -27,7 +28,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
-enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SIZE };
+enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SHAPE_FLOPS, E_SIZE };
 
 /* The values of a row, named as in schema.OP_FIELDS; their positions in the row come from that list at
  * configure() (g_slot), so the schema's order is written down once. */
@@ -69,6 +70,11 @@ struct place {
 };
 
 int attr_true(PyObject *obj, PyObject *name);
+/* Tensor attributes read through their getset descriptor (record.c, tensor_get). */
+enum { T_SHAPE, T_DTYPE, T_DEVICE, T_IS_CPU, T_IS_CUDA, T_GRAD_FN, T_BASE, T_COUNT };
+int set_tensor_getters(void);
+PyObject * tensor_get(PyObject *t, int which);
+int tensor_true(PyObject *t, int which);
 int lookup_attr(PyObject *obj, PyObject *name, PyObject **result);
 PyObject * rec_get(FastOp *self, PyObject *name);
 int rec_set(FastOp *self, PyObject *name, PyObject *value);
@@ -78,6 +84,7 @@ void untrack_atomic(PyObject *t);
 PyObject * entry_of(PyObject *func);
 void clear_entry_cache(void);
 int link_pending(FastOp *self, PyObject *pending);
+PyObject * op_flops(PyObject *entry, PyObject *args, PyObject *kwargs, PyObject *out, PyObject *in_shapes);
 PyObject * label_of(PyObject *name, long n);
 PyObject * mutated_tensors(PyObject *mutated, PyObject *args, PyObject *kwargs);
 int any_base(PyObject *written);

@@ -140,7 +140,7 @@ link_pending(FastOp *self, PyObject *pending)
         return -1;
     }
     int rc = -1;
-    PyObject *node = PyObject_GetAttr(PyList_GET_ITEM(outs, 0), s_grad_fn);
+    PyObject *node = tensor_get(PyList_GET_ITEM(outs, 0), T_GRAD_FN);
     if (node == NULL)
         goto done;
     if (node == Py_None) {
@@ -170,6 +170,100 @@ done:
     Py_XDECREF(node);
     Py_DECREF(pending);
     return rc;
+}
+
+/* A value of a FLOP memo key: a non-tensor argument as it is (a list as a tuple), a tensor as the Tensor type
+ * (its shape is in the key's input shapes, in the same order; a None argument stays None); NULL without an
+ * error when the argument holds a tensor in a list (no memo: the formula runs). */
+static PyObject *
+memo_part(PyObject *a)
+{
+    if (is_tensor(a) == 1)
+        return Py_NewRef(g_tensor_type);
+    if (!PyList_Check(a) && !PyTuple_Check(a))
+        return Py_NewRef(a);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (is_tensor(PySequence_Fast_GET_ITEM(a, i)) == 1)
+            return NULL;
+    return PyList_Check(a) ? PyList_AsTuple(a) : Py_NewRef(a);
+}
+
+/* The memo key of a call whose FLOPs depend on shapes and non-tensor arguments only: (aten, input shapes, each
+ * argument by memo_part, then each keyword and its value's). NULL without an error when the call cannot be
+ * memoised. */
+static PyObject *
+memo_key(PyObject *aten, PyObject *args, PyObject *kwargs, PyObject *in_shapes)
+{
+    Py_ssize_t n_args = PyTuple_GET_SIZE(args), n_kw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
+    PyObject *key = PyTuple_New(2 + n_args + 2 * n_kw);
+    if (key == NULL)
+        return NULL;
+    PyTuple_SET_ITEM(key, 0, Py_NewRef(aten));
+    PyTuple_SET_ITEM(key, 1, Py_NewRef(in_shapes));
+    Py_ssize_t at = 2;
+    for (Py_ssize_t i = 0; i < n_args; i++) {
+        PyObject *part = memo_part(PyTuple_GET_ITEM(args, i));
+        if (part == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, at++, part);
+    }
+    PyObject *name, *value;
+    Py_ssize_t pos = 0;
+    while (kwargs != NULL && PyDict_Next(kwargs, &pos, &name, &value)) {
+        PyObject *part = memo_part(value);
+        if (part == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, at++, Py_NewRef(name));
+        PyTuple_SET_ITEM(key, at++, part);
+    }
+    return key;
+}
+
+/* The op's FLOPs (_opinfo.flop_count): 0 without a formula; a formula of shapes alone is memoised here, so a
+ * repeated call (every layer of a stack, every step) costs a dict lookup rather than a Python call. */
+PyObject *
+op_flops(PyObject *entry, PyObject *args, PyObject *kwargs, PyObject *out, PyObject *in_shapes)
+{
+    if (PyTuple_GET_ITEM(entry, E_FLOPS) == Py_None)
+        return PyLong_FromLong(0);
+    PyObject *key = NULL;
+    if (PyObject_IsTrue(PyTuple_GET_ITEM(entry, E_SHAPE_FLOPS)) == 1) {
+        key = memo_key(PyTuple_GET_ITEM(entry, E_ATEN), args, kwargs, in_shapes);
+        if (key == NULL && PyErr_Occurred())
+            return NULL;
+        PyObject *known = key == NULL ? NULL : PyDict_GetItemWithError(g_flop_memo, key);
+        if (known != NULL) {
+            Py_DECREF(key);
+            return Py_NewRef(known);
+        }
+        if (PyErr_Occurred()) { /* an unhashable argument: no memo */
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                Py_XDECREF(key);
+                return NULL;
+            }
+            PyErr_Clear();
+            Py_CLEAR(key);
+        }
+    }
+    PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+    PyObject *flops = kw == NULL ? NULL
+                                 : PyObject_CallFunctionObjArgs(g_flop_count, PyTuple_GET_ITEM(entry, E_INFO), args,
+                                                                kw, out, NULL);
+    Py_XDECREF(kw);
+    if (flops != NULL && key != NULL) {
+        /* varying shapes (dynamic sequence lengths): memory stays bounded, as flop_count's own memo */
+        if (PyDict_GET_SIZE(g_flop_memo) >= 65536)
+            PyDict_Clear(g_flop_memo);
+        if (PyDict_SetItem(g_flop_memo, key, flops) < 0)
+            Py_CLEAR(flops);
+    }
+    Py_XDECREF(key);
+    return flops;
 }
 
 /* Appends each distinct value of an int-like op index to parents (a list kept in first-seen order). */
@@ -256,7 +350,7 @@ int
 any_base(PyObject *written)
 {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(written); i++) {
-        PyObject *base = PyObject_GetAttr(PyList_GET_ITEM(written, i), s_base);
+        PyObject *base = tensor_get(PyList_GET_ITEM(written, i), T_BASE);
         if (base == NULL)
             return -1;
         int view = base != Py_None;
@@ -298,7 +392,7 @@ backward_link(PyObject *token)
 static PyObject *
 shape_tuple(PyObject *t)
 {
-    PyObject *size = PyObject_GetAttr(t, s_shape);
+    PyObject *size = tensor_get(t, T_SHAPE);
     if (size == NULL)
         return NULL;
     PyObject *shape = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size);
@@ -330,6 +424,78 @@ shapes_of(PyObject *tensors, int fallback)
     return shapes;
 }
 
+/* Tensor attributes read by calling their getter through its descriptor on torch._C.TensorBase: the function
+ * PyObject_GetAttr ends in, without the walk there (the type's attribute cache, the descriptor protocol). With
+ * a large kernel between two ops evicting the caches, that walk's cache misses cost more than the getter.
+ * Only for plain tensors and Parameters, whose attributes are TensorBase's (a subclass may override one), and
+ * only where torch's attribute is a getset descriptor; else PyObject_GetAttr. */
+static PyObject *getter_descrs[T_COUNT];
+static PyGetSetDef *getters[T_COUNT];
+
+static PyObject **
+getter_names(void)
+{
+    static PyObject *names[T_COUNT];
+    names[T_SHAPE] = s_shape;
+    names[T_DTYPE] = s_dtype;
+    names[T_DEVICE] = s_device;
+    names[T_IS_CPU] = s_is_cpu;
+    names[T_IS_CUDA] = s_is_cuda;
+    names[T_GRAD_FN] = s_grad_fn;
+    names[T_BASE] = s_base;
+    return names;
+}
+
+/* Called by configure(), once g_tensor_type and g_parameter_type are set. */
+int
+set_tensor_getters(void)
+{
+    PyObject **names = getter_names();
+    for (int i = 0; i < T_COUNT; i++) {
+        getters[i] = NULL;
+        Py_CLEAR(getter_descrs[i]);
+        PyObject *on_tensor = PyObject_GetAttr(g_tensor_type, names[i]);
+        PyObject *on_parameter = on_tensor == NULL ? NULL : PyObject_GetAttr(g_parameter_type, names[i]);
+        if (on_parameter == NULL) {
+            Py_XDECREF(on_tensor);
+            return -1;
+        }
+        if (on_tensor == on_parameter && PyObject_TypeCheck(on_tensor, &PyGetSetDescr_Type)) {
+            PyGetSetDef *def = ((PyGetSetDescrObject *)on_tensor)->d_getset;
+            if (def->get != NULL) {
+                getters[i] = def;
+                getter_descrs[i] = Py_NewRef(on_tensor); /* keeps the definition alive */
+            }
+        }
+        Py_DECREF(on_tensor);
+        Py_DECREF(on_parameter);
+    }
+    return 0;
+}
+
+/* t.<attribute which>: a new reference, or NULL with an error set. */
+PyObject *
+tensor_get(PyObject *t, int which)
+{
+    PyGetSetDef *def = getters[which];
+    PyTypeObject *type = Py_TYPE(t);
+    if (def != NULL && (type == (PyTypeObject *)g_tensor_type || type == (PyTypeObject *)g_parameter_type))
+        return def->get(t, def->closure);
+    return PyObject_GetAttr(t, getter_names()[which]);
+}
+
+/* bool(t.<attribute which>): 1 or 0, -1 with an error set. */
+int
+tensor_true(PyObject *t, int which)
+{
+    PyObject *value = tensor_get(t, which);
+    if (value == NULL)
+        return -1;
+    int truth = value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
 /* bool(obj.name): 1 or 0, -1 with an error set. */
 int
 attr_true(PyObject *obj, PyObject *name)
@@ -352,11 +518,11 @@ name_of(PyObject *key, PyObject *names, PyObject *fallback_fn)
     return PyErr_Occurred() ? NULL : PyObject_CallOneArg(fallback_fn, key);
 }
 
-/* name_of(obj.attr): the dtype or device name of a tensor. */
+/* name_of(t.<attribute which>): the dtype or device name of a tensor. */
 static PyObject *
-attr_name(PyObject *obj, PyObject *attr, PyObject *names, PyObject *fallback_fn)
+attr_name(PyObject *t, int which, PyObject *names, PyObject *fallback_fn)
 {
-    PyObject *key = PyObject_GetAttr(obj, attr);
+    PyObject *key = tensor_get(t, which);
     if (key == NULL)
         return NULL;
     PyObject *name = name_of(key, names, fallback_fn);
@@ -593,15 +759,15 @@ describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject
         return *link == NULL ? -1 : 0;
     }
     PyObject *first = PyList_GET_ITEM(outs, 0);
-    int cpu = attr_true(first, s_is_cpu);
+    int cpu = tensor_true(first, T_IS_CPU);
     if (cpu < 0)
         return -1;
-    *device = cpu ? Py_NewRef(s_cpu) : attr_name(first, s_device, g_device_names, g_device_name);
+    *device = cpu ? Py_NewRef(s_cpu) : attr_name(first, T_DEVICE, g_device_names, g_device_name);
     if (*device == NULL)
         return -1;
     for (Py_ssize_t pos = 0; pos < n_out; pos++) {
         PyObject *o = PyList_GET_ITEM(outs, pos);
-        PyObject *o_dtype = PyObject_GetAttr(o, s_dtype);
+        PyObject *o_dtype = tensor_get(o, T_DTYPE);
         if (o_dtype == NULL)
             return -1;
         if (pos == 0 && (*dtype = name_of(o_dtype, g_dtype_names, g_dtype_name)) == NULL) {

@@ -66,7 +66,7 @@ byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi)
         *lo = 0;
         return long_of(storage, s_nbytes, hi);
     }
-    PyObject *shape = PyObject_GetAttr(t, s_shape);
+    PyObject *shape = tensor_get(t, T_SHAPE);
     PyObject *sizes = shape == NULL ? NULL : PySequence_Fast(shape, "shape");
     PyObject *steps = sizes == NULL ? NULL : PySequence_Fast(strides, "stride()");
     Py_XDECREF(shape);
