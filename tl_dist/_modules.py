@@ -140,8 +140,9 @@ class ModuleTracker:
         # The innermost call is of a torch module class (nn.Linear): the source of its ops is its call site.
         self.current_builtin = False
         self.address_stack: tuple[str, ...] = ()
-        # (current_address, address_stack, current_call) in one read, for the compiled per-op path.
-        self.current: tuple[str, tuple[str, ...], int] = ("", (), -1)
+        # (current_address, address_stack, current_call, current_builtin, current_source) in one read, for the
+        # compiled per-op path.
+        self.current: tuple[str, tuple[str, ...], int, bool, str] = ("", (), -1, False, "")
         self._root_names: set[str] = set()
         self._wrapper_of: dict[int, int] = {}  # id(compiled module's _orig_mod) -> id(its OptimizedModule)
         for prefix, root in roots:
@@ -385,7 +386,13 @@ class ModuleTracker:
             self.current_source = ""
             self.current_builtin = False
             self.address_stack = ()
-        self.current = (self.current_address, self.address_stack, self.current_call)
+        self.current = (
+            self.current_address,
+            self.address_stack,
+            self.current_call,
+            self.current_builtin,
+            self.current_source,
+        )
 
     def close(self) -> None:
         """Ends calls still open (the forward raised) at the current op count; untags the modules' tensors."""

@@ -40,7 +40,7 @@ PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *
     *s_metadata,
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
-    *s_current_builtin, *s_current_source, *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
+    *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride;
 
 /* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
@@ -630,8 +630,6 @@ PyInit__fastop(void)
     INTERN(s_backward, "backward");
     INTERN(s_recompute, "recompute");
     INTERN(s_empty, "");
-    INTERN(s_current_builtin, "current_builtin");
-    INTERN(s_current_source, "current_source");
     INTERN(s_step_source, "step_source");
     INTERN(s_optimizer, "optimizer");
     INTERN(s_untyped_storage, "untyped_storage");

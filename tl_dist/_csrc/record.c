@@ -537,17 +537,18 @@ locate(FastOp *self)
     return self->locate == Py_None ? Py_NewRef(s_empty) : PyObject_CallNoArgs(self->locate);
 }
 
-/* Recorder.on_op's source of a forward or optimizer op. */
+/* Recorder.on_op's source of a forward or optimizer op; builtin and current_source are the tracker's
+ * current_builtin and current_source. */
 static PyObject *
-forward_source(FastOp *self, PyObject *phase)
+forward_source(FastOp *self, PyObject *phase, PyObject *builtin, PyObject *current_source)
 {
     if (self->locate == Py_None)
         return Py_NewRef(s_empty);
-    int inside = attr_true(self->modules, s_current_builtin);
+    int inside = PyObject_IsTrue(builtin);
     if (inside < 0)
         return NULL;
     if (inside) /* inside nn.Linear & co: no user frame below its call site */
-        return PyObject_GetAttr(self->modules, s_current_source);
+        return Py_NewRef(current_source);
     int optimizer = PyUnicode_Check(phase) ? PyUnicode_Compare(phase, s_optimizer) : -1;
     if (optimizer == -1 && PyErr_Occurred())
         return NULL;
@@ -837,16 +838,19 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
         PyObject *current = PyObject_GetAttr(modules, s_current);
         if (current == NULL)
             goto done;
-        if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 3) {
+        if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 5) {
             Py_DECREF(current);
-            PyErr_SetString(PyExc_TypeError, "tl_dist: ModuleTracker.current must be (address, stack, call)");
+            PyErr_SetString(PyExc_TypeError,
+                            "tl_dist: ModuleTracker.current must be (address, stack, call, builtin, source)");
             goto done;
         }
         pl->address = Py_NewRef(PyTuple_GET_ITEM(current, 0));
         pl->stack = Py_NewRef(PyTuple_GET_ITEM(current, 1));
         pl->call = Py_NewRef(PyTuple_GET_ITEM(current, 2));
+        if (pl->fwd_op != NULL)
+            pl->source = forward_source(self, pl->phase, PyTuple_GET_ITEM(current, 3), PyTuple_GET_ITEM(current, 4));
         Py_DECREF(current);
-        if (pl->fwd_op == NULL || (pl->source = forward_source(self, pl->phase)) == NULL)
+        if (pl->fwd_op == NULL || pl->source == NULL)
             goto done;
     } else {
         PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
