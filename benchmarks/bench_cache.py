@@ -14,8 +14,9 @@ library (``libtorch_cpu``) are left out: the kernels do the same work in both mo
 loops take other paths with other buffer alignments, which moves their counts by more than the whole
 recorder costs. The top functions follow.
 
-Deterministic (same counts run to run, bar the kernels'): a change that lowers the estimate lowers the
-window's cost between large kernels. Each run takes ~5-10 minutes (the two run at once).
+Not noise-free: memory layout moves with every build and run, and two runs of nearly the same code have
+differed by 4% in the total (18,619 and 19,361 estimated cycles per op). Read changes function by function,
+and totals only beyond ~5%. Each run takes ~10 minutes (the two modes run at once).
 
 Run: ``.venv/bin/python benchmarks/bench_cache.py [--steps 2] [--top 15]`` (needs ``valgrind``).
 """
