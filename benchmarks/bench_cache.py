@@ -24,7 +24,6 @@ Run: ``.venv/bin/python benchmarks/bench_cache.py [--steps 2] [--top 15]`` (need
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import re
 import shutil
@@ -40,40 +39,6 @@ CACHES = ["--I1=32768,8,64", "--D1=32768,8,64", "--LL=1048576,16,64"]
 KERNEL_LIBRARY = "libtorch_cpu"
 
 
-def worker(mode: str, steps: int) -> None:
-    """Two warm-up steps, then ``steps`` steps inside ``itertools.starmap`` (what callgrind collects)."""
-    import torch
-    from torch import nn
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_telemetry import PassThrough, _step
-
-    import tl_dist as tl
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
-    x = torch.randn(1024, 16, 32)  # 2 MB a activation: more than a core's L2
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-
-    def run(_: int) -> None:
-        if mode == "floor":
-            with PassThrough():
-                _step(model, opt, x)
-        else:
-            with tl.capture():
-                _step(model, opt, x)
-
-    for _ in range(2):
-        run(0)
-    with tl.capture() as cap:
-        _step(model, opt, x)
-    print(f"ops {len(cap.trace)}", file=sys.stderr)
-    del cap
-    list(itertools.starmap(run, [(i,) for i in range(steps)]))
-
-
 def simulate(mode: str, steps: int, out_dir: str) -> tuple[dict[str, list[int]], int]:
     """(events per function outside the kernel library, ops per step) of one callgrind run."""
     out = os.path.join(out_dir, f"callgrind.{mode}")
@@ -86,9 +51,11 @@ def simulate(mode: str, steps: int, out_dir: str) -> tuple[dict[str, list[int]],
         "--toggle-collect=starmap_next",
         f"--callgrind-out-file={out}",
         sys.executable,
-        os.path.abspath(__file__),
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_instructions.py"),
         "--worker",
         mode,
+        "--model",
+        "wide",
         "--steps",
         str(steps),
     ]
@@ -128,13 +95,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="steps simulated in each mode")
     parser.add_argument("--top", type=int, default=15, help="functions listed")
-    parser.add_argument("--worker", choices=("floor", "window"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    if args.worker:
-        worker(args.worker, args.steps)
-        return
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         sys.exit("bench_cache needs valgrind and callgrind_annotate (apt-get install valgrind)")
     with tempfile.TemporaryDirectory(prefix="tl_bench_cache_") as out_dir, ThreadPoolExecutor(2) as pool:

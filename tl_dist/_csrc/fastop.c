@@ -160,7 +160,6 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     }
 
     /* The op. */
-    PyObject *info = PyTuple_GET_ITEM(entry, E_INFO);
     long long start = clock_ns();
     if ((start == -1 && PyErr_Occurred()) || (out = run_op(self, entry, args, kwargs)) == NULL)
         goto cleanup;

@@ -232,7 +232,7 @@ op_flops(PyObject *entry, PyObject *args, PyObject *kwargs, PyObject *out, PyObj
     if (PyTuple_GET_ITEM(entry, E_FLOPS) == Py_None)
         return PyLong_FromLong(0);
     PyObject *key = NULL;
-    if (PyObject_IsTrue(PyTuple_GET_ITEM(entry, E_SHAPE_FLOPS)) == 1) {
+    if (PyTuple_GET_ITEM(entry, E_SHAPE_FLOPS) == Py_True) {
         key = memo_key(PyTuple_GET_ITEM(entry, E_ATEN), args, kwargs, in_shapes);
         if (key == NULL && PyErr_Occurred())
             return NULL;
@@ -429,13 +429,15 @@ shapes_of(PyObject *tensors, int fallback)
  * a large kernel between two ops evicting the caches, that walk's cache misses cost more than the getter.
  * Only for plain tensors and Parameters, whose attributes are TensorBase's (a subclass may override one), and
  * only where torch's attribute is a getset descriptor; else PyObject_GetAttr. */
+static PyObject *getter_names[T_COUNT]; /* the interned attribute names, set with the getters */
 static PyObject *getter_descrs[T_COUNT];
 static PyGetSetDef *getters[T_COUNT];
 
-static PyObject **
-getter_names(void)
+/* Called by configure(), once g_tensor_type and g_parameter_type are set (before any tensor_get). */
+int
+set_tensor_getters(void)
 {
-    static PyObject *names[T_COUNT];
+    PyObject **names = getter_names;
     names[T_SHAPE] = s_shape;
     names[T_DTYPE] = s_dtype;
     names[T_DEVICE] = s_device;
@@ -443,14 +445,6 @@ getter_names(void)
     names[T_IS_CUDA] = s_is_cuda;
     names[T_GRAD_FN] = s_grad_fn;
     names[T_BASE] = s_base;
-    return names;
-}
-
-/* Called by configure(), once g_tensor_type and g_parameter_type are set. */
-int
-set_tensor_getters(void)
-{
-    PyObject **names = getter_names();
     for (int i = 0; i < T_COUNT; i++) {
         getters[i] = NULL;
         Py_CLEAR(getter_descrs[i]);
@@ -481,7 +475,7 @@ tensor_get(PyObject *t, int which)
     PyTypeObject *type = Py_TYPE(t);
     if (def != NULL && (type == (PyTypeObject *)g_tensor_type || type == (PyTypeObject *)g_parameter_type))
         return def->get(t, def->closure);
-    return PyObject_GetAttr(t, getter_names()[which]);
+    return PyObject_GetAttr(t, getter_names[which]);
 }
 
 /* bool(t.<attribute which>): 1 or 0, -1 with an error set. */
