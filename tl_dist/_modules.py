@@ -74,23 +74,26 @@ def _strip_compiled(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-_BUILTIN: dict[type, bool] = {}
+# type -> (whether it is torch.compile's wrapper class, whether its forward is torch's own code): one lookup
+# per module call in the pre-hook.
+_CLASS_FACTS: dict[type, tuple[bool, bool]] = {}
 
 
-def _is_builtin(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward is torch's own code (nn.Linear, nn.MultiheadAttention, DDP), so no user frame
-    can sit between its call and its ops: their source is the call site, found without walking the stack.
+def _class_facts(cls: type) -> tuple[bool, bool]:
+    """(wrapper class, builtin) of a module class: whether it is ``OptimizedModule`` (torch.compile's wrapper),
+    and whether its forward is torch's own code (nn.Linear, nn.MultiheadAttention, DDP), so no user frame can
+    sit between its call and its ops: their source is the call site, found without walking the stack.
     NB: ops of a user hook registered on such a module are located at the module's call site too."""
-    cls = type(module)
-    builtin = _BUILTIN.get(cls)
-    if builtin is None:
+    facts = _CLASS_FACTS.get(cls)
+    if facts is None:
         code = getattr(getattr(cls, "forward", None), "__code__", None)
-        builtin = _BUILTIN[cls] = code is not None and code.co_filename.startswith(TORCH_DIR)
-    return builtin
+        builtin = code is not None and code.co_filename.startswith(TORCH_DIR)
+        facts = _CLASS_FACTS[cls] = (cls.__name__ == "OptimizedModule", builtin)
+    return facts
 
 
 def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
-    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    return _class_facts(type(module))[0] and hasattr(module, "_orig_mod")
 
 
 if TYPE_CHECKING:
@@ -243,31 +246,36 @@ class ModuleTracker:
         in_engine = _graph_task_id() != -1
         if _get_ident() != self.thread and not in_engine:
             return  # another thread's module call: not part of this window
-        address = self.names.get(id(module))
+        key = id(module)
+        address = self.names.get(key)
         if address is None:
             address = self._address(module)
-        wrapper = self._wrapper_of.get(id(module))
-        if wrapper is not None and self._stack and self._stack[-1][0] == wrapper:
-            return  # the compiled wrapper's call, already open under the same address
-        key, shown = id(module), module
-        if _is_compiled_wrapper(module):
+        if self._wrapper_of:
+            wrapper = self._wrapper_of.get(key)
+            if wrapper is not None and self._stack and self._stack[-1][0] == wrapper:
+                return  # the compiled wrapper's call, already open under the same address
+        cls = type(module)
+        wrapper_class, builtin = _CLASS_FACTS.get(cls) or _class_facts(cls)
+        if wrapper_class and hasattr(module, "_orig_mod"):
             self.compiled_seen = True
-            shown = module._orig_mod  # the call's type, and whether it is torch's own class
+            cls = type(module._orig_mod)  # the call's type, and whether it is torch's own class
+            builtin = _class_facts(cls)[1]
         if in_engine:
             # Checkpoint recomputation: the ops belong to the module's forward call, already in the table.
             stack, source = self._forward_calls.get(key) or (self.address_stack + (address,), "")
             if self._stack and key not in self.names:
                 stack = self.address_stack + (address,)  # outside the tree: its last call was maybe another's
-            self._stack.append((key, -1, stack, source, _is_builtin(shown)))
+            self._stack.append((key, -1, stack, source, builtin))
             self.recompute_calls += 1
             self._set_current()
             return
         calls = self.calls
-        row = len(calls["address"])
+        addresses = calls["address"]
+        row = len(addresses)
         n = self._call_counts.get(address, 0)
         self._call_counts[address] = n + 1
-        calls["address"].append(address)
-        calls["type"].append(type(shown).__name__)
+        addresses.append(address)
+        calls["type"].append(cls.__name__)
         calls["call"].append(n)
         calls["parent"].append(self.current_call)
         calls["depth"].append(len(self.address_stack))
@@ -285,7 +293,7 @@ class ModuleTracker:
             source = locate.call_site()
         calls["source"].append(source)
         stack = self.address_stack + (address,)
-        self._stack.append((key, row, stack, source, _is_builtin(shown)))
+        self._stack.append((key, row, stack, source, builtin))
         self._forward_calls[key] = (stack, source)
         self._last_call[key] = row
         self.stack_of_address[address] = stack
@@ -300,23 +308,24 @@ class ModuleTracker:
             return
         if _get_ident() != self.thread and _graph_task_id() == -1:
             return
+        calls = self.calls
         while stack:
             mid, row, _, _, _ = stack.pop()
             if row < 0:
                 self.recompute_calls -= 1
             else:
-                self.calls["end_op"][row] = self._recorder.n_ops
+                calls["end_op"][row] = self._recorder.n_ops
             if mid == key:
                 break
         self._set_current()
         if row < 0:
             return
         leaves, spec = _flatten(output)
-        address = self.calls["address"][row]
+        address = calls["address"][row]
         edited = self.edits is not None and self.edits.module_output(address, leaves)
         out_ops, out_pos = self._recorder.module_output(address, leaves)
-        self.calls["out_ops"][row] = out_ops
-        self.calls["out_pos"][row] = out_pos
+        calls["out_ops"][row] = out_ops
+        calls["out_pos"][row] = out_pos
         self.out_trees[row] = (spec, [None if i >= 0 else leaf for i, leaf in zip(out_ops, leaves)])
         return tree_unflatten(leaves, spec) if edited else None
 
@@ -377,22 +386,16 @@ class ModuleTracker:
 
     def _set_current(self) -> None:
         if self._stack:
-            _, row, self.address_stack, self.current_source, self.current_builtin = self._stack[-1]
-            self.current_call = row
-            self.current_address = self.address_stack[-1]
+            _, row, stack, source, builtin = self._stack[-1]
+            address = stack[-1]
         else:
-            self.current_call = -1
-            self.current_address = ""
-            self.current_source = ""
-            self.current_builtin = False
-            self.address_stack = ()
-        self.current = (
-            self.current_address,
-            self.address_stack,
-            self.current_call,
-            self.current_builtin,
-            self.current_source,
-        )
+            row, stack, source, builtin, address = -1, (), "", False, ""
+        self.current_call = row
+        self.current_address = address
+        self.address_stack = stack
+        self.current_source = source
+        self.current_builtin = builtin
+        self.current = (address, stack, row, builtin, source)
 
     def close(self) -> None:
         """Ends calls still open (the forward raised) at the current op count; untags the modules' tensors."""
