@@ -18,13 +18,17 @@ Everything is measured in this process, interleaved, and printed as ratios to th
    every 11 steps; the 5 steps after each window against the 5 before it (the sink worker summarises and
    writes the shard meanwhile). Target: <= 1.05x. The A/A line compares steps 6-10 before a window with the 5
    before it (no window in between): the noise floor.
+5. Per module call and per op: microseconds the window adds over the floor (no target, the gauge of the two
+   costs a step pays): a chain of 1,000 modules each running one small op with grad, against the same 1,000
+   ops in one module; the module chain's extra over the flat chain is the cost of the global module hooks
+   (two Python hooks per call: the module-call table, the call site, the module's output ops).
 
 ``--cpu`` times part 1 in the training thread's CPU time (``time.thread_time``) with one torch thread, so every
 op runs on that thread: on a loaded shared machine far steadier than wall time, and still what the window adds
 (its cost is all on that thread). glibc's malloc runs with fixed trim and mmap thresholds (``benchmarks/heap.py``);
 ``--default-heap`` keeps its moving defaults.
 
-Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_telemetry.py [--rounds 7] [--part 1 2 3 4] [--cpu]
+Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_telemetry.py [--rounds 7] [--part 1 2 3 4 5] [--cpu]
 [--default-heap]``
 """
 
@@ -252,11 +256,64 @@ def part_after(rounds: int) -> None:
     )
 
 
+class _OneOp(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+
+class _ModuleChain(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_OneOp() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _FlatChain(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = x * 1.0
+        return x
+
+
+def part_modules(rounds: int) -> None:
+    n = 1000
+    x = torch.randn(2, requires_grad=True)
+    models = {"modules": _ModuleChain(n), "flat": _FlatChain(n)}
+
+    def timed(mode: str, model: torch.nn.Module) -> float:
+        with PassThrough() if mode == "floor" else tl.capture():
+            t0 = time.perf_counter()
+            model(x)
+            return time.perf_counter() - t0
+
+    for name in models:  # warm-up
+        timed("floor", models[name])
+        timed("window", models[name])
+    added: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(rounds * 3):
+        for name, model in models.items():
+            added[name].append((timed("window", model) - timed("floor", model)) / n * 1e6)
+    per_op = statistics.median(added["flat"])
+    per_call = statistics.median(added["modules"]) - per_op
+    print(
+        f"5. the window over the floor: {per_op:.1f} us per op, {per_call:.1f} us more per module call "
+        f"(chains of {n}, median of {rounds * 3} rounds)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=150, help="steps per loop in part 2")
-    parser.add_argument("--part", type=int, nargs="*", default=[1, 2, 3, 4])
+    parser.add_argument("--part", type=int, nargs="*", default=[1, 2, 3, 4, 5])
     parser.add_argument("--cpu", action="store_true", help="part 1 in thread CPU time, one torch thread")
     parser.add_argument(
         "--default-heap",
@@ -281,6 +338,8 @@ def main() -> None:
         part_close(args.rounds * 3)
     if 4 in args.part:
         part_after(args.rounds)
+    if 5 in args.part:
+        part_modules(args.rounds)
 
 
 if __name__ == "__main__":
