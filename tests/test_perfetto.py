@@ -62,15 +62,15 @@ def test_module_slices_nest_around_their_ops(step_trace, tmp_path):
         modules[(fwd, "<root> (Sequential)")]["dur"],
     ) == span("t_1", "addmm_2")
     assert (modules[(fwd, "0 (Linear)")]["ts"], modules[(fwd, "0 (Linear)")]["dur"]) == span("t_1", "addmm_1")
-    # Backward: from t_3 (the last Linear's grad_fn) to detach_7 (AccumulateGrad of the first Linear's weight);
+    # Backward: from t_3 (the last Linear's grad_fn) to detach_6 (AccumulateGrad of the first Linear's weight);
     # expand_1 before it is sum's backward, outside every module.
     root_bwd = modules[(bwd, "<root> (Sequential)")]
-    assert (root_bwd["ts"], root_bwd["dur"]) == span("t_3", "detach_7")
+    assert (root_bwd["ts"], root_bwd["dur"]) == span("t_3", "detach_6")
     assert (modules[(bwd, "0 (Linear)")]["ts"], modules[(bwd, "0 (Linear)")]["dur"]) == span(
-        "t_7", "detach_7"
+        "t_7", "detach_6"
     )
     assert (modules[(bwd, "1 (ReLU)")]["ts"], modules[(bwd, "1 (ReLU)")]["dur"]) == span(
-        "detach_5", "threshold_backward_1"
+        "detach_4", "threshold_backward_1"
     )
     # Optimizer: add_ of each parameter inside its Linear.
     assert (modules[(opt, "2 (Linear)")]["ts"], modules[(opt, "2 (Linear)")]["dur"]) == span(

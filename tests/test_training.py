@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import tl_dist as tl
+from tl_dist import _fastpath
 
 
 class ConvNet(nn.Module):
@@ -161,11 +163,39 @@ def test_training_window_phases_params_and_backward_flops():
             fwd = trace.columns["fwd_op"][i]
             assert fwd >= 0 and funcs[fwd] == "convolution" and phases[fwd] == "forward"
     assert all(trace.columns["fwd_op"][i] == -1 for i in range(first_bwd))
-    # Unlinked: the loss seed (ones_like and its detach, made before the engine runs) and AccumulateGrad
-    # (parameters are leaves, produced by no op): its detach of the grad.
-    assert [funcs[first_bwd], funcs[first_bwd + 1]] == ["ones_like", "detach"]
-    unlinked = {funcs[i] for i in range(first_bwd + 2, last_bwd + 1) if trace.columns["fwd_op"][i] < 0}
+    # Unlinked: the loss seed (ones_like, made before the engine runs) and AccumulateGrad (parameters are
+    # leaves, produced by no op): its detach of the grad.
+    assert funcs[first_bwd] == "ones_like"
+    unlinked = {funcs[i] for i in range(first_bwd + 1, last_bwd + 1) if trace.columns["fwd_op"][i] < 0}
     assert unlinked == {"detach"}
+
+
+class _Ops(TorchDispatchMode):
+    """The ATen ops a plain run dispatches: the reference for what a window records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.funcs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.funcs.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "python"])
+def test_a_window_dispatches_the_plain_runs_ops(monkeypatch: pytest.MonkeyPatch, pure: bool) -> None:
+    # A reference the window holds to an op's outputs (it once kept the last op's until the next op) changes
+    # what autograd does: it copies a gradient it would otherwise reuse (the loss seed got a detach).
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1" if pure else "0")
+    torch.manual_seed(0)
+    model, x = ConvNet().train(), torch.randn(2, 3, 6, 6)
+    plain, captured = copy.deepcopy(model), copy.deepcopy(model)
+    ops = _Ops()
+    with ops:
+        _loss(plain(x)).backward()
+    with tl.Capture() as cap:
+        _loss(captured(x)).backward()
+    assert cap.trace.columns["func"] == ops.funcs
 
 
 def test_keep_graph_loss_trains_like_forward_hook_loss():

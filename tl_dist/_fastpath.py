@@ -116,6 +116,7 @@ if _fastop is not None:
         accumulating_param=accumulating_param,
         perf_counter_ns=time.perf_counter_ns,
         tag=TAG,
+        sequence_nr=torch._C._autograd._get_sequence_nr,
         row_fields=field_names(OP_FIELDS),  # the extension fills each row in this order, by name
     )
     try:

@@ -49,6 +49,7 @@ ACTIVE: list[Any] = []
 _perf_ns = time.perf_counter_ns
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
+_node_seq_now = torch._C._autograd._get_sequence_nr  # the autograd node counter of this thread
 # Row values are plain tuples of ints and strs (shapes as tuples, not torch.Size; an int capture token in tags)
 # so that CPython's GC untracks them: a long capture then leaves no pile of containers for a full collection.
 _TOKENS = itertools.count(1)
@@ -101,6 +102,9 @@ class Recorder:
         self.subclass_mode = SubclassMode(self)
         # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
         self.pending: tuple[tuple, list[Tensor]] | None = None
+        # Forward ops linked to their autograd node by its sequence number (training.py, "backward -> forward").
+        self.node_ops: dict[int, int] = {}
+        self.seq_floor = _node_seq_now()
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
         self.phases = PhaseTracker(self)
         self.step_source: str | None = None  # where the running optimizer.step() was called
@@ -160,6 +164,20 @@ class Recorder:
         if inplace:
             written = mutated_tensors(info, args, kwargs)
             pre_write = self._before_write(written, tensors, srcs)
+
+        # The op's autograd node, if it makes one, is numbered before this dispatch: the counter minus one.
+        by_number = (
+            not (
+                inplace
+                or subclass
+                or self.training.hooks_on
+                or self.edits is not None
+                or info.comm is not None
+            )
+            and _grad_enabled()
+            and _graph_task_id() == -1
+        )
+        number = _node_seq_now() - 1 if by_number else -1
 
         # Device time from CUDA events, except for views: they launch no kernel, and two events cost more host
         # time than the view itself (~40% of a transformer step's ops are views).
@@ -250,7 +268,7 @@ class Recorder:
             address, stack = recomputed
             source = self.locate() if self.locate is not None else ""
         else:
-            phase, fwd_op, call = "backward", backward_link(token), -1
+            phase, fwd_op, call = "backward", backward_link(token, self.node_ops), -1
             if fwd_op >= 0:  # the module of the forward op this op differentiates
                 forward_row = self.rows[fwd_op]
                 address, stack = forward_row[_MODULE], forward_row[_MODULE_STACK]
@@ -291,7 +309,10 @@ class Recorder:
         if info.comm is not None:  # collectives: the collective table, and the tensors c10d wrote in place
             outs = self.comm.record(index, info.comm, args, kwargs, out, outs, t0, t1)
         if outs:
-            if _grad_enabled():
+            if by_number:
+                if number >= self.seq_floor and number not in self.node_ops:  # else made no node of its own
+                    self.node_ops[number] = index
+            elif _grad_enabled():
                 self.pending = (link, outs)
             if self.stats_on:
                 self.training.out_stats(index, outs, row)

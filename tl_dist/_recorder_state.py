@@ -38,6 +38,8 @@ class RecorderState(Protocol):
     step_source: str | None  # where the running optimizer.step() was called
     rows: list[tuple]
     pending: tuple[tuple, list[torch.Tensor]] | None  # the last op's link (token, index, ...) and outputs
+    node_ops: dict[int, int]  # autograd node sequence number -> the forward op that made the node
+    seq_floor: int  # the autograd sequence counter when the window opened: lower numbers are not its ops'
     output_of: dict[int, list[str]]  # op index -> modules whose output it produced
     locate: SourceLocator | None
     modules: ModuleState

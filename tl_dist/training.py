@@ -4,11 +4,16 @@ The recorder owns one :class:`TrainingState`. It touches the per-op hot path in 
 
 - ``phase`` comes from one C call (``torch._C._current_graph_task_id()``: not -1 while the autograd engine runs
   a graph task) plus an attribute the optimizer step hooks set (``recorder.phase``); see ``_phases``.
-- A forward op's outputs get their ``grad_fn`` only after the dispatch mode returns (autograd sets history
-  above it), so the recorder parks them in ``recorder.pending`` and :meth:`TrainingState.link_pending` reads
-  their ``grad_fn`` at the next dispatch. The node's ``metadata`` dict then carries ``(token, op index)``;
-  a backward op looks up ``torch._C._current_autograd_node().metadata`` to find the forward op it
-  differentiates. Keeping the link on the node (not in a dict of node objects) keeps no graph alive.
+- A forward op's autograd node is made and numbered (its ``_sequence_nr()``, a per-thread counter) by the
+  autograd kernel before the dispatch mode sees the op, so the recorder links the common op to its node by
+  number: the counter minus one at its dispatch, when grad is on and no earlier op of the window took that
+  number (``recorder.node_ops``: number -> op index), with no node object made in the forward. In-place ops
+  (a write into a view gets its ``CopySlices`` node after the op), ops whose outputs an intervention replaced,
+  collectives, tensor subclasses and windows with gradient hooks link the node itself: their outputs get
+  their ``grad_fn`` only after the dispatch mode returns, so the recorder parks them in ``recorder.pending``
+  and :meth:`TrainingState.link_pending` tags their node's ``metadata`` with ``(token, op index)`` at the
+  next dispatch. A backward op reads the running node's tag first, then its number (:func:`backward_link`).
+  Neither keeps a graph alive.
 - Gradients and gradient statistics come from a pre-hook on the forward op's node: it receives the gradient
   of the loss w.r.t. each of the node's outputs, i.e. w.r.t. the op's outputs as they were produced (an
   in-place op later rebases the tensor on a new node; the old node still receives the gradient of the old
@@ -99,13 +104,18 @@ def link_running_node(token: object, candidates: list[tuple[int, list[Tensor]]])
             return
 
 
-def backward_link(token: object) -> int:
-    """Index of the forward op whose autograd node is running now (-1 when unknown); called per backward op."""
+def backward_link(token: object, node_ops: dict[int, int]) -> int:
+    """Index of the forward op whose autograd node is running now (-1 when unknown); called per backward op.
+    A node tagged with this window's token names its op (in-place ops, custom Functions, module outputs, the
+    nodes of collectives); any other is looked up by its sequence number among the forward ops' nodes
+    (``node_ops``, see ``Recorder.on_op``)."""
     node = _current_node()
     if node is None:
         return -1
     link = node.metadata.get(_KEY)
-    return link[1] if link is not None and link[0] is token else -1
+    if link is not None and link[0] is token:
+        return link[1]
+    return node_ops.get(node._sequence_nr(), -1)
 
 
 def tensor_stats(t: Tensor) -> Tensor | list[float] | None:
@@ -352,6 +362,7 @@ class TrainingState:
         through such nodes (a custom autograd Function's: DTensor's redistribution, to_local, from_local)
         until one a recorded op owns. Their backward then belongs where op ``index`` ran."""
         token = self.rec.token
+        node_ops = self.rec.node_ops
         link = (token, index)
         todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
         seen = 0
@@ -360,7 +371,11 @@ class TrainingState:
             seen += 1
             meta = node.metadata
             old = meta.get(_KEY)
-            if (old is not None and old[0] is token) or type(node).__name__ == "AccumulateGrad":
+            if (
+                (old is not None and old[0] is token)
+                or type(node).__name__ == "AccumulateGrad"
+                or node._sequence_nr() in node_ops
+            ):
                 continue
             meta[_KEY] = link
             todo.extend(n for n, _ in node.next_functions if n is not None)

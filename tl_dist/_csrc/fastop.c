@@ -31,7 +31,7 @@ PyObject *g_make_entry;   /* func -> entry tuple or None */
 PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
-PyObject *g_perf_counter_ns, *g_current_node;
+PyObject *g_perf_counter_ns, *g_current_node, *g_sequence_nr;
 PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 PyObject *g_flop_memo;
 PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
@@ -41,7 +41,8 @@ PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride;
+    *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
+    *s_sequence_nr;
 
 /* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
 static PyObject *
@@ -70,7 +71,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     PyObject *outs = NULL, *index = NULL, *label = NULL, *dtype = NULL, *device = NULL, *link = NULL;
     PyObject *in_shapes = NULL, *out_shapes = NULL, *flops = NULL, *row = NULL;
     PyObject *count = NULL, *pending = NULL, *written = NULL, *srcs = NULL, *save_kwargs = NULL;
-    PyObject *pre_write = NULL;
+    PyObject *pre_write = NULL, *task = NULL;
     struct place pl = {NULL, NULL, NULL, NULL, NULL, NULL};
     long long out_bytes = 0;
     int slow = 0;
@@ -159,6 +160,30 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             goto cleanup;
     }
 
+    /* Where the op runs (the autograd engine's graph task; -1 outside it), and the number its autograd node, if
+     * it makes one, got before this dispatch: Recorder.on_op's rule (training.py, "backward -> forward"). */
+    if ((task = PyObject_CallNoArgs(g_graph_task_id)) == NULL)
+        goto cleanup;
+    long task_id = PyLong_AsLong(task);
+    if (task_id == -1 && PyErr_Occurred())
+        goto cleanup;
+    long long number = -1;
+    int by_number = 0;
+    if (!mutates && !self->hooks_on && task_id == -1) {
+        PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
+        if (grad == NULL)
+            goto cleanup;
+        by_number = grad == Py_True;
+        Py_DECREF(grad);
+        if (by_number) {
+            PyObject *counter = PyObject_CallNoArgs(g_sequence_nr);
+            number = counter == NULL ? -1 : PyLong_AsLongLong(counter) - 1;
+            Py_XDECREF(counter);
+            if (counter == NULL || PyErr_Occurred())
+                goto cleanup;
+        }
+    }
+
     /* The op. */
     long long start = clock_ns();
     if ((start == -1 && PyErr_Occurred()) || (out = run_op(self, entry, args, kwargs)) == NULL)
@@ -244,7 +269,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if ((flops = op_flops(entry, args, kwargs, out, in_shapes)) == NULL)
         goto cleanup;
 
-    if (place_op(self, entry, args, &pl) < 0)
+    if (place_op(self, entry, args, task, task_id, &pl) < 0)
         goto cleanup;
 
     PyObject *parents_tuple = PyList_AsTuple(parents);
@@ -282,7 +307,16 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (PyList_Append(self->rows, row) < 0)
         goto cleanup;
 
-    if (n_out > 0) {
+    if (n_out > 0 && by_number) {
+        if (number >= self->seq_floor) { /* below it, or taken by an earlier op: no node of its own */
+            PyObject *key = PyLong_FromLongLong(number);
+            int taken = key == NULL ? -1 : PyDict_Contains(self->node_ops, key);
+            int rc = taken != 0 ? taken : PyDict_SetItem(self->node_ops, key, index);
+            Py_XDECREF(key);
+            if (rc < 0)
+                goto cleanup;
+        }
+    } else if (n_out > 0) {
         PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
         if (grad == NULL)
             goto cleanup;
@@ -342,6 +376,7 @@ cleanup:
     Py_XDECREF(srcs);
     Py_XDECREF(save_kwargs);
     Py_XDECREF(pre_write);
+    Py_XDECREF(task);
     if (slow && !PyErr_Occurred())
         result = call_slow(self, func, args, kwargs, 0);
     Py_XDECREF(empty_args);
@@ -436,6 +471,16 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->save_op = self->saving ? PyObject_GetAttrString(rec, "_save_op") : Py_NewRef(Py_None);
     if (self->save_op == NULL)
         return -1;
+    self->node_ops = PyObject_GetAttrString(rec, "node_ops");
+    PyObject *floor = self->node_ops == NULL ? NULL : PyObject_GetAttrString(rec, "seq_floor");
+    self->seq_floor = floor == NULL ? -1 : PyLong_AsLongLong(floor);
+    Py_XDECREF(floor);
+    if (floor == NULL || (self->seq_floor == -1 && PyErr_Occurred()))
+        return -1;
+    if (!PyDict_Check(self->node_ops)) {
+        PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
+        return -1;
+    }
     self->in_flight = PyObject_GetAttrString(training, "in_flight");
     self->out_stats = PyObject_GetAttrString(training, "out_stats");
     self->arrived = PyObject_GetAttrString(training, "arrived");
@@ -465,7 +510,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     X(rec) X(state_dict) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(storage_refs) X(save_op) X(before_write)
+    X(storage_refs) X(save_op) X(before_write) X(node_ops)
 
 static int
 fastop_clear(FastOp *self)
@@ -563,20 +608,20 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
     static char *names[] = {"tensor_type", "parameter_type", "entries", "make_entry", "dtype_names",
                             "device_names", "dtype_name", "device_name", "flat_outputs", "shape_of",
                             "flop_count", "graph_task_id", "grad_enabled", "current_node",
-                            "accumulating_param", "perf_counter_ns", "tag", "row_fields", NULL};
-    PyObject *v[17], *row_fields;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOUO!:configure", names, &v[0], &v[1],
+                            "accumulating_param", "perf_counter_ns", "tag", "sequence_nr", "row_fields", NULL};
+    PyObject *v[18], *row_fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOUOO!:configure", names, &v[0], &v[1],
                                      &PyDict_Type, &v[2], &v[3], &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6],
                                      &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16],
-                                     &PyTuple_Type, &row_fields))
+                                     &v[17], &PyTuple_Type, &row_fields))
         return NULL;
     if (set_slots(row_fields) < 0)
         return NULL;
-    PyObject **slots[17] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
+    PyObject **slots[18] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
                             &g_device_names, &g_dtype_name, &g_device_name, &g_flat_outputs, &g_shape_of,
                             &g_flop_count, &g_graph_task_id, &g_grad_enabled, &g_current_node,
-                            &g_accumulating_param, &g_perf_counter_ns, &g_tag};
-    for (int i = 0; i < 17; i++)
+                            &g_accumulating_param, &g_perf_counter_ns, &g_tag, &g_sequence_nr};
+    for (int i = 0; i < 18; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
     if (set_tensor_getters() < 0)
         return NULL;
@@ -640,6 +685,7 @@ PyInit__fastop(void)
     INTERN(s_is_contiguous, "is_contiguous");
     INTERN(s_numel, "numel");
     INTERN(s_stride, "stride");
+    INTERN(s_sequence_nr, "_sequence_nr");
     if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL || (g_flop_memo = PyDict_New()) == NULL)
         return NULL;
     if (PyType_Ready(&FastOpType) < 0)

@@ -14,6 +14,7 @@ extern PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 extern PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
 extern PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
 extern PyObject *g_perf_counter_ns, *g_current_node;
+extern PyObject *g_sequence_nr; /* torch._C._autograd._get_sequence_nr: this thread's autograd node counter */
 extern PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 extern PyObject *g_flop_memo;   /* (aten, input shapes, other arguments) -> FLOPs, for shape-only formulas */
 extern PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
@@ -25,7 +26,8 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride;
+    *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
+    *s_sequence_nr;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SHAPE_FLOPS, E_SIZE };
@@ -60,6 +62,8 @@ typedef struct {
     int saving;                 /* rec.saving: outputs may be kept (save=True or a selector) */
     PyObject *save_op;          /* rec._save_op: keeps the op's outputs and replay record if selected (Python) */
     PyObject *in_flight, *out_stats, *arrived; /* training's collectives awaiting their statistics */
+    PyObject *node_ops;         /* rec.node_ops: autograd node sequence number -> forward op */
+    long long seq_floor;        /* rec.seq_floor: the counter when the window opened */
     PyObject *running;          /* borrowed: the OpInfo of the op running now (a post-mortem names it), or NULL */
 } FastOp;
 
@@ -96,7 +100,7 @@ PyObject * run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwarg
 int describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject *index, PyObject **dtype,
                      PyObject **device, long long *out_bytes, PyObject **link);
 void place_clear(struct place *pl);
-int place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl);
+int place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long task_id, struct place *pl);
 PyObject * fastop_columns(PyObject *module, PyObject *args);
 int add_parent(PyObject *parents, PyObject *op);
 int note_writes(FastOp *self, PyObject *index, PyObject *written);

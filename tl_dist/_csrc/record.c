@@ -361,9 +361,10 @@ any_base(PyObject *written)
     return 0;
 }
 
-/* training.backward_link: the forward op whose autograd node is running now, -1 when unknown. */
+/* training.backward_link: the forward op whose autograd node is running now, -1 when unknown: the node's tag
+ * of this window, else its sequence number among the forward ops' nodes (rec.node_ops). */
 static PyObject *
-backward_link(PyObject *token)
+backward_link(FastOp *self)
 {
     PyObject *node = PyObject_CallNoArgs(g_current_node);
     if (node == NULL)
@@ -381,8 +382,21 @@ backward_link(PyObject *token)
             Py_DECREF(node);
             return NULL;
         }
-        if (link != NULL && PyTuple_Check(link) && PyTuple_GET_SIZE(link) >= 2 && PyTuple_GET_ITEM(link, 0) == token)
+        if (link != NULL && PyTuple_Check(link) && PyTuple_GET_SIZE(link) >= 2 &&
+            PyTuple_GET_ITEM(link, 0) == self->token) {
             fwd = PyLong_AsLong(PyTuple_GET_ITEM(link, 1));
+        } else if (PyDict_GET_SIZE(self->node_ops) > 0) {
+            PyObject *number = PyObject_CallMethodNoArgs(node, s_sequence_nr);
+            PyObject *op = number == NULL ? NULL : PyDict_GetItemWithError(self->node_ops, number);
+            Py_XDECREF(number);
+            if (op != NULL)
+                fwd = PyLong_AsLong(op);
+            else if (PyErr_Occurred()) {
+                Py_XDECREF(link);
+                Py_DECREF(node);
+                return NULL;
+            }
+        }
         Py_XDECREF(link);
     }
     Py_DECREF(node);
@@ -806,17 +820,11 @@ place_clear(struct place *pl)
 }
 
 int
-place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
+place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long task_id, struct place *pl)
 {
-    PyObject *task = NULL, *owner = NULL;
-    PyObject *name = PyTuple_GET_ITEM(entry, E_NAME), *token = self->token;
+    PyObject *owner = NULL;
+    PyObject *name = PyTuple_GET_ITEM(entry, E_NAME);
     int rc = -1;
-    task = PyObject_CallNoArgs(g_graph_task_id);
-    if (task == NULL)
-        goto done;
-    long task_id = PyLong_AsLong(task);
-    if (task_id == -1 && PyErr_Occurred())
-        goto done;
     PyObject *modules = self->modules;
     if (task_id == -1) {
         pl->phase = rec_get(self, s_phase);
@@ -864,7 +872,7 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
         } else {
             Py_XDECREF(recomputed);
             pl->phase = Py_NewRef(s_backward);
-            pl->fwd_op = backward_link(token);
+            pl->fwd_op = backward_link(self);
             pl->call = PyLong_FromLong(-1);
             if (pl->fwd_op == NULL || pl->call == NULL)
                 goto done;
@@ -912,7 +920,6 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, struct place *pl)
 
     rc = 0;
 done:
-    Py_XDECREF(task);
     Py_XDECREF(owner);
     return rc;
 }
