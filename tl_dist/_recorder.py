@@ -166,6 +166,7 @@ class Recorder:
             pre_write = self._before_write(written, tensors, srcs)
 
         # The op's autograd node, if it makes one, is numbered before this dispatch: the counter minus one.
+        task = _graph_task_id()  # -1 outside the autograd engine
         by_number = (
             not (
                 inplace
@@ -174,8 +175,8 @@ class Recorder:
                 or self.edits is not None
                 or info.comm is not None
             )
+            and task == -1
             and _grad_enabled()
-            and _graph_task_id() == -1
         )
         number = _node_seq_now() - 1 if by_number else -1
 
@@ -246,7 +247,6 @@ class Recorder:
             out_shapes = tuple([shape_of(o) for o in outs])
         flops = 0 if info.flop_fn is None else flop_count(info, args, kwargs, out)
         modules = self.modules
-        task = _graph_task_id()
         if task == -1:
             phase, fwd_op = self.phase, -1
             if info.func in _SPECIAL_PHASE:
