@@ -154,7 +154,8 @@ class Recorder:
         if self.stats_on and self.training.in_flight:  # reading a collective's buffer: its result is there
             for p in parents:
                 self.training.arrived(p, reader=True)
-        if subclass and self.comm.unlinked >= 0 and _grad_enabled():
+        grad_on = _grad_enabled()  # an op cannot change it: read once
+        if subclass and self.comm.unlinked >= 0 and grad_on:
             # The first subclass op since a forward collective: the autograd nodes between them (DTensor's
             # redistribution) have no op; their backward collectives belong to that collective's module.
             self.training.link_unowned(tensors, self.comm.unlinked)
@@ -168,15 +169,15 @@ class Recorder:
         # The op's autograd node, if it makes one, is numbered before this dispatch: the counter minus one.
         task = _graph_task_id()  # -1 outside the autograd engine
         by_number = (
-            not (
+            grad_on
+            and task == -1
+            and not (
                 inplace
                 or subclass
                 or self.training.hooks_on
                 or self.edits is not None
                 or info.comm is not None
             )
-            and task == -1
-            and _grad_enabled()
         )
         number = _node_seq_now() - 1 if by_number else -1
 
@@ -262,7 +263,7 @@ class Recorder:
                 source = self.step_source
             else:
                 source = self.locate()
-        elif _grad_enabled() and (recomputed := modules.recomputed()) is not None:
+        elif grad_on and (recomputed := modules.recomputed()) is not None:
             # Checkpoint recomputation: forward code run again by the engine; its module is the forward call's.
             phase, fwd_op, call = "recompute", -1, -1
             address, stack = recomputed
@@ -312,7 +313,7 @@ class Recorder:
             if by_number:
                 if number >= self.seq_floor and number not in self.node_ops:  # else made no node of its own
                     self.node_ops[number] = index
-            elif _grad_enabled():
+            elif grad_on:
                 self.pending = (link, outs)
             if self.stats_on:
                 self.training.out_stats(index, outs, row)

@@ -167,21 +167,19 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     long task_id = PyLong_AsLong(task);
     if (task_id == -1 && PyErr_Occurred())
         goto cleanup;
+    PyObject *grad = PyObject_CallNoArgs(g_grad_enabled); /* an op cannot change it: read once */
+    if (grad == NULL)
+        goto cleanup;
+    int grad_on = grad == Py_True;
+    Py_DECREF(grad);
     long long number = -1;
-    int by_number = 0;
-    if (!mutates && !self->hooks_on && task_id == -1) {
-        PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
-        if (grad == NULL)
+    int by_number = grad_on && !mutates && !self->hooks_on && task_id == -1;
+    if (by_number) {
+        PyObject *counter = PyObject_CallNoArgs(g_sequence_nr);
+        number = counter == NULL ? -1 : PyLong_AsLongLong(counter) - 1;
+        Py_XDECREF(counter);
+        if (counter == NULL || PyErr_Occurred())
             goto cleanup;
-        by_number = grad == Py_True;
-        Py_DECREF(grad);
-        if (by_number) {
-            PyObject *counter = PyObject_CallNoArgs(g_sequence_nr);
-            number = counter == NULL ? -1 : PyLong_AsLongLong(counter) - 1;
-            Py_XDECREF(counter);
-            if (counter == NULL || PyErr_Occurred())
-                goto cleanup;
-        }
     }
 
     /* The op. */
@@ -310,19 +308,13 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (n_out > 0 && by_number) {
         if (number >= self->seq_floor) { /* below it, or taken by an earlier op: no node of its own */
             PyObject *key = PyLong_FromLongLong(number);
-            int taken = key == NULL ? -1 : PyDict_Contains(self->node_ops, key);
-            int rc = taken != 0 ? taken : PyDict_SetItem(self->node_ops, key, index);
+            PyObject *owner = key == NULL ? NULL : PyDict_SetDefault(self->node_ops, key, index);
             Py_XDECREF(key);
-            if (rc < 0)
+            if (owner == NULL)
                 goto cleanup;
         }
     } else if (n_out > 0) {
-        PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
-        if (grad == NULL)
-            goto cleanup;
-        int enabled = grad == Py_True;
-        Py_DECREF(grad);
-        if (enabled) {
+        if (grad_on) {
             PyObject *next = PyTuple_Pack(2, link, outs);
             int rc = next == NULL ? -1 : rec_set(self, s_pending, next);
             Py_XDECREF(next);
