@@ -121,6 +121,8 @@ def hidden_from_dynamo(*functions: Any) -> None:
 class ModuleTracker:
     """Keeps the stack of module calls and their table; names modules from the roots it is given or finds."""
 
+    __slots__ = ("current", "__dict__", "__weakref__")  # read by every op: a slot (Recorder.__slots__)
+
     def __init__(self, recorder: RecorderState, roots: list[tuple[str, torch.nn.Module]]) -> None:
         self._recorder = weakref.proxy(recorder)  # the recorder owns this tracker: no reference cycle
         self.names: dict[int, str] = {}

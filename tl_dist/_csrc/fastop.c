@@ -93,7 +93,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         slow = 1;
         goto cleanup;
     }
-    PyObject *edits = rec_get(self, s_edits);
+    PyObject *edits = rec_get(self, ST_EDITS);
     if (edits == NULL)
         goto cleanup;
     Py_DECREF(edits);
@@ -105,10 +105,10 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
 
     if ((tensors = input_tensors(args, kwargs)) == NULL)
         goto cleanup;
-    Py_ssize_t n_in = PyList_GET_SIZE(tensors);
+    Py_ssize_t n_in = PyTuple_GET_SIZE(tensors);
     if (n_in > 0 && PyUnicode_Compare(kind, s_view) != 0) {
         /* Device time from CUDA events: Recorder.on_op. */
-        int cuda = tensor_true(PyList_GET_ITEM(tensors, 0), T_IS_CUDA);
+        int cuda = tensor_true(PyTuple_GET_ITEM(tensors, 0), T_IS_CUDA);
         if (cuda != 0) {
             slow = cuda > 0;
             goto cleanup;
@@ -120,18 +120,17 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (mutates && (written = mutated_tensors(mutated, args, kwargs)) == NULL)
         goto cleanup;
 
-    pending = rec_get(self, s_pending);
+    pending = rec_get(self, ST_PENDING);
     if (pending == NULL || (pending != Py_None && link_pending(self, pending) < 0))
         goto cleanup;
 
     /* Inputs: parents (the ops that made them), parameters read, in-place writes since. */
     PyObject *token = self->token;
     parents = PyList_New(0);
-    param_names = PyList_New(0);
     /* Where each input's value comes from (op, output position), for replay: only when outputs may be saved. */
     if (self->saving && (srcs = PyList_New(0)) == NULL)
         goto cleanup;
-    if (parents == NULL || param_names == NULL || scan_inputs(self, tensors, parents, param_names, srcs) < 0)
+    if (parents == NULL || scan_inputs(self, tensors, parents, &param_names, srcs) < 0)
         goto cleanup;
 
     if (self->stats_on && PyDict_GET_SIZE(self->in_flight) > 0) {
@@ -189,7 +188,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     long long end = clock_ns();
     if ((end == -1 && PyErr_Occurred()) || (t0 = PyLong_FromLongLong(start)) == NULL)
         goto cleanup;
-    index = rec_get(self, s_n_ops);
+    index = rec_get(self, ST_N_OPS);
     if (index == NULL)
         goto cleanup;
     long idx = PyLong_AsLong(index);
@@ -271,7 +270,9 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         goto cleanup;
 
     PyObject *parents_tuple = PyList_AsTuple(parents);
-    PyObject *params_tuple = parents_tuple == NULL ? NULL : PyList_AsTuple(param_names);
+    PyObject *params_tuple = parents_tuple == NULL ? NULL
+                             : param_names == NULL ? PyTuple_New(0)
+                                                   : PyList_AsTuple(param_names);
     PyObject *duration = params_tuple == NULL ? NULL : PyLong_FromLongLong(end - start);
     PyObject *bytes = duration == NULL ? NULL : PyLong_FromLongLong(out_bytes);
     if (bytes == NULL) {
@@ -316,7 +317,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     } else if (n_out > 0) {
         if (grad_on) {
             PyObject *next = PyTuple_Pack(2, link, outs);
-            int rc = next == NULL ? -1 : rec_set(self, s_pending, next);
+            int rc = next == NULL ? -1 : rec_set(self, ST_PENDING, next);
             Py_XDECREF(next);
             if (rc < 0)
                 goto cleanup;
@@ -329,7 +330,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         Py_DECREF(r);
     }
     PyObject *next_index = PyLong_FromLong(idx + 1);
-    int rc = next_index == NULL ? -1 : rec_set(self, s_n_ops, next_index);
+    int rc = next_index == NULL ? -1 : rec_set(self, ST_N_OPS, next_index);
     Py_XDECREF(next_index);
     if (rc < 0)
         goto cleanup;
@@ -377,33 +378,6 @@ cleanup:
 
 /* -- the FastOp type ------------------------------------------------------------------------------------ */
 
-/* state_dict: rec.__dict__ when the per-op state names are plain attributes there (rec_get, rec_set). */
-static int
-plain_state(FastOp *self)
-{
-    PyObject *names[] = {s_pending, s_n_ops, s_edits, s_phase, s_last_write, s_step_source};
-    PyObject *dict = PyObject_GetAttrString(self->rec, "__dict__");
-    if (dict == NULL) {
-        PyErr_Clear(); /* no instance dict (__slots__): getattr it is */
-        return 0;
-    }
-    int plain = PyDict_CheckExact(dict);
-    for (size_t i = 0; plain && i < sizeof(names) / sizeof(names[0]); i++) {
-        PyObject *on_class = NULL;
-        if (lookup_attr((PyObject *)Py_TYPE(self->rec), names[i], &on_class) < 0) {
-            Py_DECREF(dict);
-            return -1;
-        }
-        plain = on_class == NULL && PyDict_Contains(dict, names[i]) == 1;
-        Py_XDECREF(on_class);
-    }
-    if (plain)
-        self->state_dict = dict;
-    else
-        Py_DECREF(dict);
-    return 0;
-}
-
 static int
 fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
 {
@@ -423,12 +397,6 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->rec = Py_NewRef(rec);
-    if (plain_state(self) < 0) {
-        Py_DECREF(modules);
-        Py_DECREF(training);
-        Py_DECREF(phases);
-        return -1;
-    }
     self->mode = PyWeakref_NewRef(mode, NULL);
     if (self->mode == NULL) {
         Py_DECREF(modules);
@@ -438,6 +406,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     }
     self->modules = modules;
     self->training = training;
+    find_state_slots(self);
     self->on_op = PyObject_GetAttrString(rec, "on_op");
     self->rows = PyObject_GetAttrString(rec, "rows");
     self->label_counts = PyObject_GetAttrString(rec, "_label_counts");
@@ -499,7 +468,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
 
 /* Every object a FastOp holds: what the GC clears and visits. */
 #define FASTOP_OBJECTS(X) \
-    X(rec) X(state_dict) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
+    X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
     X(storage_refs) X(save_op) X(before_write) X(node_ops)

@@ -43,10 +43,15 @@ extern int g_slot[N_FIELDS]; /* F_* -> position in the row */
 
 /* One window's compiled recorder. Every Python callable it holds is also in _fastpath._called_from_c (hidden
  * from Dynamo). */
+/* The recorder's per-op state, read and written every op (rec_get, rec_set): __slots__ of Recorder (and
+ * ModuleTracker.current), so each is a pointer at a fixed offset in the object, not a dict entry. */
+enum { ST_PENDING, ST_N_OPS, ST_EDITS, ST_PHASE, ST_LAST_WRITE, ST_STEP_SOURCE, ST_COUNT };
+
 typedef struct {
     PyObject_HEAD
     PyObject *rec;              /* the Recorder */
-    PyObject *state_dict;       /* rec.__dict__, where its per-op state is read and written; or NULL */
+    Py_ssize_t state_slot[ST_COUNT]; /* each ST_* name's offset in rec, or 0 where it is not a slot (getattr) */
+    Py_ssize_t current_slot;    /* the offset of modules.current, or 0 */
     PyObject *on_op;            /* rec.on_op: the slow path */
     PyObject *rows, *label_counts, *params, *writes, *backward_sources, *token;
     PyObject *modules, *training;
@@ -80,8 +85,11 @@ int set_tensor_getters(void);
 PyObject * tensor_get(PyObject *t, int which);
 int tensor_true(PyObject *t, int which);
 int lookup_attr(PyObject *obj, PyObject *name, PyObject **result);
-PyObject * rec_get(FastOp *self, PyObject *name);
-int rec_set(FastOp *self, PyObject *name, PyObject *value);
+PyObject * rec_get(FastOp *self, int which);
+int rec_set(FastOp *self, int which, PyObject *value);
+PyObject * slot_get(PyObject *obj, Py_ssize_t offset, PyObject *name);
+Py_ssize_t slot_offset(PyObject *obj, PyObject *name);
+void find_state_slots(FastOp *self);
 long long clock_ns(void); /* time.perf_counter_ns(); -1 with an error set */
 int is_tensor(PyObject *o);
 void untrack_atomic(PyObject *t);
@@ -95,7 +103,7 @@ int any_base(PyObject *written);
 PyObject * shapes_of(PyObject *tensors, int fallback);
 PyObject * call_slow(FastOp *self, PyObject *func, PyObject *args, PyObject *kwargs, int subclass);
 PyObject * input_tensors(PyObject *args, PyObject *kwargs);
-int scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names, PyObject *srcs);
+int scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject **param_names, PyObject *srcs);
 PyObject * run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwargs);
 int describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject *index, PyObject **dtype,
                      PyObject **device, long long *out_bytes, PyObject **link);

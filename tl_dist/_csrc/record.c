@@ -31,25 +31,68 @@ clock_ns(void)
 #endif
 }
 
-/* The recorder's per-op state (n_ops, pending, phase, ...) read and written in its instance dict: they are
- * plain attributes (FastOp() checks its class has none of those names, else state_dict stays NULL and these
- * go through getattr), and a dict lookup is a third of getattr's walk through the class first. */
-PyObject *
-rec_get(FastOp *self, PyObject *name)
+#if PY_VERSION_HEX >= 0x030C0000
+#define TL_T_OBJECT_EX Py_T_OBJECT_EX
+#define TL_READONLY Py_READONLY
+#else
+#include <structmember.h>
+#define TL_T_OBJECT_EX T_OBJECT_EX
+#define TL_READONLY READONLY
+#endif
+
+/* The offset of attribute `name` in obj when its class declares it in __slots__ (a writable object member),
+ * else 0. A slot is a pointer at that offset in every instance: reading it costs no dict lookup, which between
+ * two large kernels (caches emptied) is a few cache misses less per op. */
+Py_ssize_t
+slot_offset(PyObject *obj, PyObject *name)
 {
-    if (self->state_dict == NULL)
-        return PyObject_GetAttr(self->rec, name);
-    PyObject *value = PyDict_GetItemWithError(self->state_dict, name);
-    if (value == NULL && !PyErr_Occurred())
-        PyErr_Format(PyExc_AttributeError, "tl_dist: the recorder has no attribute %U", name);
+    PyObject *descr = _PyType_Lookup(Py_TYPE(obj), name); /* borrowed */
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type))
+        return 0;
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    return member->type == TL_T_OBJECT_EX && !(member->flags & TL_READONLY) ? member->offset : 0;
+}
+
+/* obj.<name>, read at its slot's offset (slot_offset) when there is one. New reference, or NULL with an error. */
+PyObject *
+slot_get(PyObject *obj, Py_ssize_t offset, PyObject *name)
+{
+    if (offset == 0)
+        return PyObject_GetAttr(obj, name);
+    PyObject *value = *(PyObject **)((char *)obj + offset);
+    if (value == NULL)
+        PyErr_Format(PyExc_AttributeError, "tl_dist: %s has no attribute %U", Py_TYPE(obj)->tp_name, name);
     return Py_XNewRef(value);
 }
 
-int
-rec_set(FastOp *self, PyObject *name, PyObject *value)
+/* The names of the ST_* state, in that order. */
+static PyObject **const state_names[ST_COUNT] = {&s_pending, &s_n_ops, &s_edits, &s_phase, &s_last_write,
+                                                 &s_step_source};
+
+PyObject *
+rec_get(FastOp *self, int which)
 {
-    return self->state_dict == NULL ? PyObject_SetAttr(self->rec, name, value)
-                                    : PyDict_SetItem(self->state_dict, name, value);
+    return slot_get(self->rec, self->state_slot[which], *state_names[which]);
+}
+
+/* Where the per-op state is: the slots of the recorder's class (and the module tracker's `current`). */
+void
+find_state_slots(FastOp *self)
+{
+    for (int i = 0; i < ST_COUNT; i++)
+        self->state_slot[i] = slot_offset(self->rec, *state_names[i]);
+    self->current_slot = slot_offset(self->modules, s_current);
+}
+
+int
+rec_set(FastOp *self, int which, PyObject *value)
+{
+    Py_ssize_t offset = self->state_slot[which];
+    if (offset == 0)
+        return PyObject_SetAttr(self->rec, *state_names[which], value);
+    PyObject **slot = (PyObject **)((char *)self->rec + offset);
+    Py_XSETREF(*slot, Py_NewRef(value));
+    return 0;
 }
 
 int
@@ -135,7 +178,7 @@ link_pending(FastOp *self, PyObject *pending)
     }
     PyObject *link = PyTuple_GET_ITEM(pending, 0);
     Py_INCREF(pending); /* keeps link and outs alive past the reset */
-    if (rec_set(self, s_pending, Py_None) < 0) {
+    if (rec_set(self, ST_PENDING, Py_None) < 0) {
         Py_DECREF(pending);
         return -1;
     }
@@ -421,12 +464,12 @@ shape_tuple(PyObject *t)
 PyObject *
 shapes_of(PyObject *tensors, int fallback)
 {
-    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors); /* a list or a tuple */
     PyObject *shapes = PyTuple_New(n);
     if (shapes == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = PyList_GET_ITEM(tensors, i);
+        PyObject *t = PySequence_Fast_GET_ITEM(tensors, i);
         PyObject *s = fallback ? PyObject_CallOneArg(g_shape_of, t) : shape_tuple(t);
         if (s == NULL) {
             Py_DECREF(shapes);
@@ -561,7 +604,7 @@ forward_source(FastOp *self, PyObject *phase, PyObject *builtin, PyObject *curre
     if (optimizer == -1 && PyErr_Occurred())
         return NULL;
     if (optimizer == 0) { /* every op of one step() call has that call's source */
-        PyObject *step = rec_get(self, s_step_source);
+        PyObject *step = rec_get(self, ST_STEP_SOURCE);
         if (step == NULL || step != Py_None)
             return step;
         Py_DECREF(step);
@@ -584,41 +627,47 @@ call_slow(FastOp *self, PyObject *func, PyObject *args, PyObject *kwargs, int su
     return r;
 }
 
-/* The op's tensor arguments, positional then keyword (Recorder.on_op's list for ops without tensor lists). */
+/* The op's tensor arguments, positional then keyword, as a tuple (Recorder.on_op's list for ops without tensor
+ * lists). */
 PyObject *
 input_tensors(PyObject *args, PyObject *kwargs)
 {
-    PyObject *tensors = PyList_New(0);
-    if (tensors == NULL)
-        return NULL;
+    /* Counted first: a tuple of the exact size comes off CPython's free list, where a growing list costs two
+     * allocations and a resize. */
+    Py_ssize_t n = 0, pos = 0;
+    PyObject *k, *v;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++)
+        n += is_tensor(PyTuple_GET_ITEM(args, i));
+    if (kwargs != NULL) {
+        while (PyDict_Next(kwargs, &pos, &k, &v))
+            n += is_tensor(v);
+    }
+    PyObject *tensors = PyTuple_New(n);
+    if (tensors == NULL || n == 0)
+        return tensors;
+    Py_ssize_t j = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
         PyObject *a = PyTuple_GET_ITEM(args, i);
-        if (is_tensor(a) && PyList_Append(tensors, a) < 0)
-            goto error;
+        if (is_tensor(a))
+            PyTuple_SET_ITEM(tensors, j++, Py_NewRef(a));
     }
-    if (kwargs != NULL) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(kwargs, &pos, &k, &v)) {
-            if (is_tensor(v) && PyList_Append(tensors, v) < 0)
-                goto error;
-        }
+    for (pos = 0; kwargs != NULL && PyDict_Next(kwargs, &pos, &k, &v);) {
+        if (is_tensor(v))
+            PyTuple_SET_ITEM(tensors, j++, Py_NewRef(v));
     }
     return tensors;
-error:
-    Py_DECREF(tensors);
-    return NULL;
 }
 
-/* Appends to parents the ops whose outputs (or in-place writes) the op reads, to param_names the parameters. */
+/* Appends to parents the ops whose outputs (or in-place writes) the op reads, and to *param_names the names of
+ * the parameters it reads (the list made at the first: most ops read none). */
 int
-scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_names, PyObject *srcs)
+scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject **param_names, PyObject *srcs)
 {
     PyObject *token = self->token;
     int writes = PyDict_GET_SIZE(self->writes) > 0;
     long last = -1;
     if (writes) {
-        PyObject *last_write = rec_get(self, s_last_write);
+        PyObject *last_write = rec_get(self, ST_LAST_WRITE);
         if (last_write == NULL)
             return -1;
         last = PyLong_AsLong(last_write);
@@ -626,8 +675,8 @@ scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_
         if (last == -1 && PyErr_Occurred())
             return -1;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); i++) {
-        PyObject *t = PyList_GET_ITEM(tensors, i);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); i++) {
+        PyObject *t = PyTuple_GET_ITEM(tensors, i);
         PyObject *tag;
         if (lookup_attr(t, g_tag, &tag) < 0)
             return -1;
@@ -667,7 +716,10 @@ scan_inputs(FastOp *self, PyObject *tensors, PyObject *parents, PyObject *param_
             return -1;
         PyObject *name = PyDict_GetItemWithError(self->params, key);
         Py_DECREF(key);
-        if ((name == NULL && PyErr_Occurred()) || (name != NULL && PyList_Append(param_names, name) < 0))
+        if (name == NULL && PyErr_Occurred())
+            return -1;
+        if (name != NULL && ((*param_names == NULL && (*param_names = PyList_New(0)) == NULL) ||
+                             PyList_Append(*param_names, name) < 0))
             return -1;
         if (writes && add_writer(self, parents, t, -1) < 0) /* a parameter the optimizer updated earlier */
             return -1;
@@ -827,7 +879,7 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long tas
     int rc = -1;
     PyObject *modules = self->modules;
     if (task_id == -1) {
-        pl->phase = rec_get(self, s_phase);
+        pl->phase = rec_get(self, ST_PHASE);
         if (pl->phase == NULL)
             goto done;
         if (PyTuple_GET_ITEM(entry, E_SPECIAL) == Py_True) {
@@ -837,7 +889,7 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long tas
             Py_SETREF(pl->phase, p);
         }
         pl->fwd_op = PyLong_FromLong(-1);
-        PyObject *current = PyObject_GetAttr(modules, s_current);
+        PyObject *current = slot_get(modules, self->current_slot, s_current);
         if (current == NULL)
             goto done;
         if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 5) {

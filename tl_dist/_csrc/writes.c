@@ -114,7 +114,7 @@ same_storage(FastOp *self, PyObject *key, PyObject *storage)
 int
 note_writes(FastOp *self, PyObject *index, PyObject *written)
 {
-    if (rec_set(self, s_last_write, index) < 0)
+    if (rec_set(self, ST_LAST_WRITE, index) < 0)
         return -1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(written); i++) {
         PyObject *t = PyList_GET_ITEM(written, i);
