@@ -337,6 +337,22 @@ def test_failing_op_is_recorded_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     assert failures[1]["func"] == "mm" and failures[1]["index"] == 1
 
 
+def test_an_op_that_raises_inside_a_window_takes_no_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled path counts an op's label before the op runs: a failing op must give its number back.
+    labels = []
+    for pure in (True, False):
+        monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1" if pure else "0")
+        a, b = torch.randn(2, 3), torch.randn(4, 5)
+        with tl.capture() as cap:
+            torch.mm(a, a.t())
+            with pytest.raises(RuntimeError, match="cannot be multiplied"):
+                torch.mm(a, b)
+            torch.mm(a, a.t())
+        df = cap.trace.to_pandas()
+        labels.append(df.label[df.func == "mm"].tolist())
+    assert labels == [["mm_1", "mm_2"], ["mm_1", "mm_2"]]
+
+
 @needs_extension
 def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")

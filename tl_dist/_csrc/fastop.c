@@ -44,6 +44,72 @@ PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
     *s_sequence_nr;
 
+/* After an op that wrote its inputs in place: the write log (writes.c), and the bases of views it wrote into
+ * as extra outputs (a write into a view changes its base). */
+static int
+after_writes(FastOp *self, PyObject *index, PyObject *written, PyObject **outs)
+{
+    if (note_writes(self, index, written) < 0)
+        return -1;
+    int views = PyList_GET_SIZE(*outs) > 0 ? any_base(written) : 0;
+    if (views <= 0)
+        return views;
+    PyObject *with_bases = PyObject_CallFunctionObjArgs(self->with_written_bases, written, *outs, NULL);
+    if (with_bases == NULL)
+        return -1;
+    Py_SETREF(*outs, with_bases);
+    if (!PyList_Check(*outs)) {
+        PyErr_SetString(PyExc_TypeError, "tl_dist: _with_written_bases must return a list");
+        return -1;
+    }
+    return 0;
+}
+
+/* The row field f: borrowed, NULL while unset. */
+#define FIELD(row, f) PyTuple_GET_ITEM(row, g_slot[f])
+
+/* Puts value (a new reference, stolen) at field f of a row being made; -1 when value is NULL (an error set). */
+static int
+put(PyObject *row, int f, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    PyObject **slot = &((PyTupleObject *)row)->ob_item[g_slot[f]];
+    Py_XSETREF(*slot, value);
+    return 0;
+}
+
+/* Moves where the op ran (place_op) into the row. */
+static int
+put_place(PyObject *row, struct place *pl)
+{
+    untrack_atomic(pl->stack); /* a module's address stack: its addresses */
+    PyObject **parts[] = {&pl->phase, &pl->fwd_op, &pl->address, &pl->stack, &pl->call, &pl->source};
+    const int fields[] = {F_PHASE, F_FWD_OP, F_MODULE, F_MODULE_STACK, F_MODULE_CALL, F_SOURCE};
+    for (int i = 0; i < 6; i++) {
+        if (put(row, fields[i], *parts[i]) < 0)
+            return -1;
+        *parts[i] = NULL; /* the row's */
+    }
+    return 0;
+}
+
+/* Gives back label number n of func `name`, taken by an op that raised or was not recorded: Recorder.on_op
+ * counts an op once it ran. Keeps the error set. */
+static void
+restore_label(FastOp *self, PyObject *name, long n)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *before = n > 1 ? PyLong_FromLong(n - 1) : NULL;
+    int rc = n > 1 ? (before == NULL ? -1 : PyDict_SetItem(self->label_counts, name, before))
+                   : PyDict_DelItem(self->label_counts, name);
+    Py_XDECREF(before);
+    if (rc < 0)
+        PyErr_Clear(); /* the error that got here matters more */
+    PyErr_Restore(type, value, tb);
+}
+
 /* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
 static PyObject *
 fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
@@ -67,13 +133,14 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         kwargs = NULL;
 
     PyObject *result = NULL;
-    PyObject *tensors = NULL, *parents = NULL, *param_names = NULL, *t0 = NULL, *out = NULL;
-    PyObject *outs = NULL, *index = NULL, *label = NULL, *dtype = NULL, *device = NULL, *link = NULL;
-    PyObject *in_shapes = NULL, *out_shapes = NULL, *flops = NULL, *row = NULL;
-    PyObject *count = NULL, *pending = NULL, *written = NULL, *srcs = NULL, *save_kwargs = NULL;
+    PyObject *tensors = NULL, *parents = NULL, *param_names = NULL, *out = NULL, *name = NULL;
+    PyObject *outs = NULL, *index = NULL, *index_before = NULL, *dtype = NULL, *device = NULL, *link = NULL;
+    PyObject *out_shapes = NULL, *row = NULL;
+    PyObject *pending = NULL, *written = NULL, *srcs = NULL, *save_kwargs = NULL;
     PyObject *pre_write = NULL, *task = NULL;
     struct place pl = {NULL, NULL, NULL, NULL, NULL, NULL};
     long long out_bytes = 0;
+    long label_n = 0; /* the label number this op took, until it is recorded */
     int slow = 0;
 
     /* A tensor subclass runs its own dispatch inside the op: Recorder.on_op's subclass path. */
@@ -181,130 +248,132 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             goto cleanup;
     }
 
+    /* The row is made before the op, with what it needs of the inputs and of where the op runs: the caches still
+     * hold what the previous op's recording touched (its dicts, the objects the row holds, this code), which the
+     * kernel about to run evicts. All of it is the same after the op: an op that writes no input changes no
+     * input's shape; the phase, module, autograd node and source are the call's (an op with a SPECIAL phase
+     * rule, which may change the phase, is placed after it); and a plain op records no ops of its own while it
+     * runs (the op count says so, else it is numbered and placed again). */
+    name = PyTuple_GET_ITEM(entry, E_NAME);
+    int special = PyTuple_GET_ITEM(entry, E_SPECIAL) == Py_True;
+    if ((index_before = rec_get(self, ST_N_OPS)) == NULL || (row = PyTuple_New(N_FIELDS)) == NULL)
+        goto cleanup;
+    /* Label: func_<n>, numbered per func in the window; taken back if the op raises (restore_label). */
+    PyObject *seen = PyDict_GetItemWithError(self->label_counts, name);
+    label_n = 1;
+    if (seen != NULL) {
+        label_n = PyLong_AsLong(seen) + 1;
+        if (label_n == 0 && PyErr_Occurred())
+            goto cleanup;
+    } else if (PyErr_Occurred())
+        goto cleanup;
+    PyObject *count = PyLong_FromLong(label_n);
+    int counted = count == NULL ? -1 : PyDict_SetItem(self->label_counts, name, count);
+    Py_XDECREF(count);
+    if (counted < 0) {
+        label_n = 0;
+        goto cleanup;
+    }
+    if (put(row, F_LABEL, label_of(name, label_n)) < 0 || put(row, F_INDEX, Py_NewRef(index_before)) < 0 ||
+        put(row, F_FUNC, Py_NewRef(name)) < 0 || put(row, F_ATEN, Py_NewRef(PyTuple_GET_ITEM(entry, E_ATEN))) < 0 ||
+        put(row, F_INPLACE, Py_NewRef(mutates ? Py_True : Py_False)) < 0 ||
+        put(row, F_PARENTS, PyList_AsTuple(parents)) < 0 ||
+        put(row, F_PARAMS, param_names == NULL ? PyTuple_New(0) : PyList_AsTuple(param_names)) < 0)
+        goto cleanup;
+    untrack_atomic(FIELD(row, F_PARENTS));
+    untrack_atomic(FIELD(row, F_PARAMS));
+    Py_CLEAR(parents);
+    Py_CLEAR(param_names);
+    if (!mutates) { /* else after the op: a write in place may change an input's shape (resize_, t_) */
+        PyObject *shapes = shapes_of(tensors, 0);
+        if (shapes == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+                goto cleanup;
+            PyErr_Clear(); /* a nested tensor's ragged sizes: shape_of, after the op */
+        } else {
+            put(row, F_IN_SHAPES, shapes);
+            PyObject *known = op_flops(entry, args, kwargs, NULL, shapes);
+            if (known == NULL && PyErr_Occurred())
+                goto cleanup;
+            if (known != NULL)
+                put(row, F_FLOPS, known);
+        }
+    }
+    if (!special && (place_op(self, entry, args, task, task_id, grad_on, &pl) < 0 || put_place(row, &pl) < 0))
+        goto cleanup;
+    if (FIELD(row, F_IN_SHAPES) != NULL && !self->saving)
+        Py_CLEAR(tensors); /* released now, while its tensors are in the caches */
+    Py_CLEAR(task);
+
     /* The op. */
     long long start = clock_ns();
     if ((start == -1 && PyErr_Occurred()) || (out = run_op(self, entry, args, kwargs)) == NULL)
         goto cleanup;
     long long end = clock_ns();
-    if ((end == -1 && PyErr_Occurred()) || (t0 = PyLong_FromLongLong(start)) == NULL)
-        goto cleanup;
-    index = rec_get(self, ST_N_OPS);
-    if (index == NULL)
+    if ((end == -1 && PyErr_Occurred()) || put(row, F_START_NS, PyLong_FromLongLong(start)) < 0 ||
+        put(row, F_DURATION_NS, PyLong_FromLongLong(end - start)) < 0 || (index = rec_get(self, ST_N_OPS)) == NULL)
         goto cleanup;
     long idx = PyLong_AsLong(index);
     if (idx == -1 && PyErr_Occurred())
         goto cleanup;
+    int moved = index == index_before ? 0 : PyObject_RichCompareBool(index, index_before, Py_NE);
+    if (moved < 0 || (moved && put(row, F_INDEX, Py_NewRef(index)) < 0))
+        goto cleanup;
+    if (special || moved) {
+        place_clear(&pl);
+        if ((task = PyLong_FromLong(task_id)) == NULL || place_op(self, entry, args, task, task_id, grad_on, &pl) < 0 ||
+            put_place(row, &pl) < 0)
+            goto cleanup;
+    }
 
     if (is_tensor(out) == 1) {
-        outs = PyList_New(1);
-        if (outs == NULL)
-            goto cleanup;
-        Py_INCREF(out);
-        PyList_SET_ITEM(outs, 0, out);
-    } else {
-        if (PyErr_Occurred())
-            goto cleanup;
+        if ((outs = PyList_New(1)) != NULL)
+            PyList_SET_ITEM(outs, 0, Py_NewRef(out));
+    } else if (!PyErr_Occurred())
         outs = PyObject_CallOneArg(g_flat_outputs, out);
-        if (outs == NULL)
-            goto cleanup;
-    }
-
-    if (mutates) {
-        if (note_writes(self, index, written) < 0)
-            goto cleanup;
-        int views = PyList_GET_SIZE(outs) > 0 ? any_base(written) : 0;
-        if (views < 0)
-            goto cleanup;
-        if (views) { /* a write into a view changes its base: an extra output */
-            PyObject *with_bases = PyObject_CallFunctionObjArgs(self->with_written_bases, written, outs, NULL);
-            if (with_bases == NULL)
-                goto cleanup;
-            Py_SETREF(outs, with_bases);
-            if (!PyList_Check(outs)) {
-                PyErr_SetString(PyExc_TypeError, "tl_dist: _with_written_bases must return a list");
-                goto cleanup;
-            }
-        }
-    }
-
-    /* Label: func_<n>, numbered per func in the window. */
-    PyObject *name = PyTuple_GET_ITEM(entry, E_NAME);
-    PyObject *seen = PyDict_GetItemWithError(self->label_counts, name);
-    long n = 1;
-    if (seen != NULL) {
-        n = PyLong_AsLong(seen) + 1;
-        if (n == 0 && PyErr_Occurred())
-            goto cleanup;
-    } else if (PyErr_Occurred())
+    if (outs == NULL || (mutates && after_writes(self, index, written, &outs) < 0))
         goto cleanup;
-    count = PyLong_FromLong(n);
-    if (count == NULL || PyDict_SetItem(self->label_counts, name, count) < 0)
-        goto cleanup;
-    label = label_of(name, n);
-    if (label == NULL)
-        goto cleanup;
-
     Py_ssize_t n_out = PyList_GET_SIZE(outs);
-    PyObject *row_kind = n_out == 0 ? s_other : n_in > 0 ? kind : s_factory;
+    if (put(row, F_KIND, Py_NewRef(n_out == 0 ? s_other : n_in > 0 ? kind : s_factory)) < 0)
+        goto cleanup;
 
-    /* Shapes. */
-    in_shapes = shapes_of(tensors, 0);
-    out_shapes = in_shapes == NULL ? NULL : shapes_of(outs, 0);
-    if (out_shapes == NULL) {
+    /* Output shapes; input shapes where they wait for the op. */
+    PyObject *in_shapes = FIELD(row, F_IN_SHAPES);
+    int fallback = 0;
+    if (in_shapes == NULL) {
+        if ((in_shapes = shapes_of(tensors, 0)) == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+                goto cleanup;
+            PyErr_Clear();
+            fallback = 1;
+            in_shapes = shapes_of(tensors, 1);
+        }
+        if (put(row, F_IN_SHAPES, in_shapes) < 0)
+            goto cleanup;
+    }
+    out_shapes = fallback ? NULL : shapes_of(outs, 0);
+    if (out_shapes == NULL && !fallback) {
         if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
             goto cleanup;
         PyErr_Clear();
-        Py_CLEAR(in_shapes);
-        in_shapes = shapes_of(tensors, 1);
-        out_shapes = in_shapes == NULL ? NULL : shapes_of(outs, 1);
-        if (out_shapes == NULL)
-            goto cleanup;
+        fallback = 1;
     }
-    if (describe_outputs(outs, out_shapes, token, index, &dtype, &device, &out_bytes, &link) < 0)
+    if (fallback && (out_shapes = shapes_of(outs, 1)) == NULL)
         goto cleanup;
-
-    if ((flops = op_flops(entry, args, kwargs, out, in_shapes)) == NULL)
+    if (put(row, F_OUT_SHAPES, Py_NewRef(out_shapes)) < 0 ||
+        describe_outputs(outs, out_shapes, token, index, &dtype, &device, &out_bytes, &link) < 0)
         goto cleanup;
-
-    if (place_op(self, entry, args, task, task_id, &pl) < 0)
+    put(row, F_DTYPE, dtype);
+    put(row, F_DEVICE, device);
+    dtype = device = NULL; /* the row's */
+    if (put(row, F_OUT_BYTES, PyLong_FromLongLong(out_bytes)) < 0)
         goto cleanup;
-
-    PyObject *parents_tuple = PyList_AsTuple(parents);
-    PyObject *params_tuple = parents_tuple == NULL ? NULL
-                             : param_names == NULL ? PyTuple_New(0)
-                                                   : PyList_AsTuple(param_names);
-    PyObject *duration = params_tuple == NULL ? NULL : PyLong_FromLongLong(end - start);
-    PyObject *bytes = duration == NULL ? NULL : PyLong_FromLongLong(out_bytes);
-    if (bytes == NULL) {
-        Py_XDECREF(parents_tuple);
-        Py_XDECREF(params_tuple);
-        Py_XDECREF(duration);
+    if (FIELD(row, F_FLOPS) == NULL && put(row, F_FLOPS, op_flops(entry, args, kwargs, out, in_shapes)) < 0)
         goto cleanup;
-    }
-    row = PyTuple_New(N_FIELDS);
-    if (row == NULL) {
-        Py_DECREF(parents_tuple);
-        Py_DECREF(params_tuple);
-        Py_DECREF(duration);
-        Py_DECREF(bytes);
-        goto cleanup;
-    }
-    /* In F_* order, each put at its schema position; PyTuple_SET_ITEM steals, so borrowed ones get a reference. */
-    PyObject *fields[N_FIELDS] = {
-        Py_NewRef(index), Py_NewRef(label), Py_NewRef(name), Py_NewRef(PyTuple_GET_ITEM(entry, E_ATEN)),
-        Py_NewRef(row_kind), Py_NewRef(pl.phase), Py_NewRef(pl.fwd_op), Py_NewRef(pl.address), Py_NewRef(pl.stack),
-        Py_NewRef(pl.call), Py_NewRef(out_shapes), Py_NewRef(dtype), Py_NewRef(device), bytes,
-        Py_NewRef(in_shapes), parents_tuple, Py_NewRef(mutates ? Py_True : Py_False), Py_NewRef(flops), Py_NewRef(t0), duration,
-        Py_NewRef(pl.source), params_tuple,
-    };
-    for (int i = 0; i < N_FIELDS; i++)
-        PyTuple_SET_ITEM(row, g_slot[i], fields[i]);
-    untrack_atomic(parents_tuple);
-    untrack_atomic(params_tuple);
-    untrack_atomic(pl.stack); /* a module's address stack: its addresses */
     untrack_atomic(row);
     if (PyList_Append(self->rows, row) < 0)
         goto cleanup;
+    label_n = 0; /* recorded: the label stays taken */
 
     if (n_out > 0 && by_number) {
         if (number >= self->seq_floor) { /* below it, or taken by an earlier op: no node of its own */
@@ -345,25 +414,24 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         Py_DECREF(r);
     }
     result = Py_NewRef(out);
+    goto cleanup;
 
 cleanup:
+    if (label_n > 0 && result == NULL)
+        restore_label(self, name, label_n);
+    Py_XDECREF(index_before);
     Py_XDECREF(tensors);
     Py_XDECREF(parents);
     Py_XDECREF(param_names);
-    Py_XDECREF(t0);
     Py_XDECREF(out);
     Py_XDECREF(outs);
     Py_XDECREF(index);
-    Py_XDECREF(label);
     Py_XDECREF(dtype);
     Py_XDECREF(device);
     Py_XDECREF(link);
-    Py_XDECREF(in_shapes);
     Py_XDECREF(out_shapes);
-    Py_XDECREF(flops);
     Py_XDECREF(row);
     place_clear(&pl);
-    Py_XDECREF(count);
     Py_XDECREF(pending);
     Py_XDECREF(written);
     Py_XDECREF(srcs);

@@ -108,7 +108,8 @@ PyObject * run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwarg
 int describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject *index, PyObject **dtype,
                      PyObject **device, long long *out_bytes, PyObject **link);
 void place_clear(struct place *pl);
-int place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long task_id, struct place *pl);
+int place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long task_id, int grad_on,
+         struct place *pl);
 PyObject * fastop_columns(PyObject *module, PyObject *args);
 int add_parent(PyObject *parents, PyObject *op);
 int note_writes(FastOp *self, PyObject *index, PyObject *written);

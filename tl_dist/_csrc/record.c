@@ -268,7 +268,8 @@ memo_key(PyObject *aten, PyObject *args, PyObject *kwargs, PyObject *in_shapes)
 }
 
 /* The op's FLOPs (_opinfo.flop_count): 0 without a formula; a formula of shapes alone is memoised here, so a
- * repeated call (every layer of a stack, every step) costs a dict lookup rather than a Python call. */
+ * repeated call (every layer of a stack, every step) costs a dict lookup rather than a Python call. Before the
+ * op runs (out NULL) only those two are known: NULL without an error otherwise. */
 PyObject *
 op_flops(PyObject *entry, PyObject *args, PyObject *kwargs, PyObject *out, PyObject *in_shapes)
 {
@@ -292,6 +293,10 @@ op_flops(PyObject *entry, PyObject *args, PyObject *kwargs, PyObject *out, PyObj
             PyErr_Clear();
             Py_CLEAR(key);
         }
+    }
+    if (out == NULL) {
+        Py_XDECREF(key);
+        return NULL;
     }
     PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
     PyObject *flops = kw == NULL ? NULL
@@ -872,7 +877,8 @@ place_clear(struct place *pl)
 }
 
 int
-place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long task_id, struct place *pl)
+place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long task_id, int grad_on,
+         struct place *pl)
 {
     PyObject *owner = NULL;
     PyObject *name = PyTuple_GET_ITEM(entry, E_NAME);
@@ -907,13 +913,8 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long tas
         if (pl->fwd_op == NULL || pl->source == NULL)
             goto done;
     } else {
-        PyObject *grad = PyObject_CallNoArgs(g_grad_enabled);
-        if (grad == NULL)
-            goto done;
-        int enabled = grad == Py_True;
-        Py_DECREF(grad);
         PyObject *recomputed = NULL;
-        if (enabled && (recomputed = PyObject_CallNoArgs(self->recomputed)) == NULL)
+        if (grad_on && (recomputed = PyObject_CallNoArgs(self->recomputed)) == NULL)
             goto done;
         if (recomputed != NULL && recomputed != Py_None) {
             /* Checkpoint recomputation: forward code run again by the engine. */
