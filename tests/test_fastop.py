@@ -354,6 +354,22 @@ def test_an_op_that_raises_inside_a_window_takes_no_label(monkeypatch: pytest.Mo
 
 
 @needs_extension
+def test_compiled_rows_are_off_the_garbage_collectors_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows hold only ints, strings and tuples of them: untracked, a long window leaves the GC nothing to walk.
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for stats in (None, True):
+        with tl.capture(stats=stats) as cap:
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            rows = list(cap._recorder.rows)
+        assert len(rows) > 30
+        assert [row for row in rows if gc.is_tracked(row)] == []
+
+
+@needs_extension
 def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
     model = nn.Linear(4, 4)

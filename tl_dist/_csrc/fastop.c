@@ -44,12 +44,26 @@ PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
     *s_sequence_nr;
 
+/* The outputs as the list Python's callbacks take: a single output is a tuple (one allocation, from CPython's
+ * free list) until one of them needs it. */
+static int
+outs_as_list(PyObject **outs)
+{
+    if (PyList_CheckExact(*outs))
+        return 0;
+    PyObject *list = PySequence_List(*outs);
+    if (list == NULL)
+        return -1;
+    Py_SETREF(*outs, list);
+    return 0;
+}
+
 /* After an op that wrote its inputs in place: the write log (writes.c), and the bases of views it wrote into
  * as extra outputs (a write into a view changes its base). */
 static int
 after_writes(FastOp *self, PyObject *index, PyObject *written, PyObject **outs)
 {
-    if (note_writes(self, index, written) < 0)
+    if (note_writes(self, index, written) < 0 || outs_as_list(outs) < 0)
         return -1;
     int views = PyList_GET_SIZE(*outs) > 0 ? any_base(written) : 0;
     if (views <= 0)
@@ -68,26 +82,40 @@ after_writes(FastOp *self, PyObject *index, PyObject *written, PyObject **outs)
 /* The row field f: borrowed, NULL while unset. */
 #define FIELD(row, f) PyTuple_GET_ITEM(row, g_slot[f])
 
-/* Puts value (a new reference, stolen) at field f of a row being made; -1 when value is NULL (an error set). */
+/* Puts value (a new reference, stolen) at field f of a row being made; -1 when value is NULL (an error set).
+ * Sets *tracked when value is a container the cyclic GC tracks, which keeps the row tracked too: checked here,
+ * where value was just made or read, rather than by walking the row once it is done, after the kernel evicted
+ * every value's header from the caches. */
 static int
-put(PyObject *row, int f, PyObject *value)
+put(PyObject *row, int f, PyObject *value, int *tracked)
 {
     if (value == NULL)
         return -1;
+    if (PyType_IS_GC(Py_TYPE(value)) && PyObject_GC_IsTracked(value))
+        *tracked = 1;
     PyObject **slot = &((PyTupleObject *)row)->ob_item[g_slot[f]];
     Py_XSETREF(*slot, value);
     return 0;
 }
 
+/* t, taken off the cyclic GC's list when it holds only atoms (untrack_atomic). */
+static PyObject *
+untracked(PyObject *t)
+{
+    if (t != NULL)
+        untrack_atomic(t);
+    return t;
+}
+
 /* Moves where the op ran (place_op) into the row. */
 static int
-put_place(PyObject *row, struct place *pl)
+put_place(PyObject *row, struct place *pl, int *tracked)
 {
     untrack_atomic(pl->stack); /* a module's address stack: its addresses */
     PyObject **parts[] = {&pl->phase, &pl->fwd_op, &pl->address, &pl->stack, &pl->call, &pl->source};
     const int fields[] = {F_PHASE, F_FWD_OP, F_MODULE, F_MODULE_STACK, F_MODULE_CALL, F_SOURCE};
     for (int i = 0; i < 6; i++) {
-        if (put(row, fields[i], *parts[i]) < 0)
+        if (put(row, fields[i], *parts[i], tracked) < 0)
             return -1;
         *parts[i] = NULL; /* the row's */
     }
@@ -141,6 +169,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     struct place pl = {NULL, NULL, NULL, NULL, NULL, NULL};
     long long out_bytes = 0;
     long label_n = 0; /* the label number this op took, until it is recorded */
+    int tracked = 0;  /* the row holds a container the GC tracks (put) */
     int slow = 0;
 
     /* A tensor subclass runs its own dispatch inside the op: Recorder.on_op's subclass path. */
@@ -274,14 +303,12 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         label_n = 0;
         goto cleanup;
     }
-    if (put(row, F_LABEL, label_of(name, label_n)) < 0 || put(row, F_INDEX, Py_NewRef(index_before)) < 0 ||
-        put(row, F_FUNC, Py_NewRef(name)) < 0 || put(row, F_ATEN, Py_NewRef(PyTuple_GET_ITEM(entry, E_ATEN))) < 0 ||
-        put(row, F_INPLACE, Py_NewRef(mutates ? Py_True : Py_False)) < 0 ||
-        put(row, F_PARENTS, PyList_AsTuple(parents)) < 0 ||
-        put(row, F_PARAMS, param_names == NULL ? PyTuple_New(0) : PyList_AsTuple(param_names)) < 0)
+    if (put(row, F_LABEL, label_of(name, label_n), &tracked) < 0 || put(row, F_INDEX, Py_NewRef(index_before), &tracked) < 0 ||
+        put(row, F_FUNC, Py_NewRef(name), &tracked) < 0 || put(row, F_ATEN, Py_NewRef(PyTuple_GET_ITEM(entry, E_ATEN)), &tracked) < 0 ||
+        put(row, F_INPLACE, Py_NewRef(mutates ? Py_True : Py_False), &tracked) < 0 ||
+        put(row, F_PARENTS, untracked(PyList_AsTuple(parents)), &tracked) < 0 ||
+        put(row, F_PARAMS, param_names == NULL ? PyTuple_New(0) : untracked(PyList_AsTuple(param_names)), &tracked) < 0)
         goto cleanup;
-    untrack_atomic(FIELD(row, F_PARENTS));
-    untrack_atomic(FIELD(row, F_PARAMS));
     Py_CLEAR(parents);
     Py_CLEAR(param_names);
     if (!mutates) { /* else after the op: a write in place may change an input's shape (resize_, t_) */
@@ -291,15 +318,15 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
                 goto cleanup;
             PyErr_Clear(); /* a nested tensor's ragged sizes: shape_of, after the op */
         } else {
-            put(row, F_IN_SHAPES, shapes);
+            put(row, F_IN_SHAPES, shapes, &tracked);
             PyObject *known = op_flops(entry, args, kwargs, NULL, shapes);
             if (known == NULL && PyErr_Occurred())
                 goto cleanup;
             if (known != NULL)
-                put(row, F_FLOPS, known);
+                put(row, F_FLOPS, known, &tracked);
         }
     }
-    if (!special && (place_op(self, entry, args, task, task_id, grad_on, &pl) < 0 || put_place(row, &pl) < 0))
+    if (!special && (place_op(self, entry, args, task, task_id, grad_on, &pl) < 0 || put_place(row, &pl, &tracked) < 0))
         goto cleanup;
     if (FIELD(row, F_IN_SHAPES) != NULL && !self->saving)
         Py_CLEAR(tensors); /* released now, while its tensors are in the caches */
@@ -310,31 +337,34 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if ((start == -1 && PyErr_Occurred()) || (out = run_op(self, entry, args, kwargs)) == NULL)
         goto cleanup;
     long long end = clock_ns();
-    if ((end == -1 && PyErr_Occurred()) || put(row, F_START_NS, PyLong_FromLongLong(start)) < 0 ||
-        put(row, F_DURATION_NS, PyLong_FromLongLong(end - start)) < 0 || (index = rec_get(self, ST_N_OPS)) == NULL)
+    if ((end == -1 && PyErr_Occurred()) || put(row, F_START_NS, PyLong_FromLongLong(start), &tracked) < 0 ||
+        put(row, F_DURATION_NS, PyLong_FromLongLong(end - start), &tracked) < 0 || (index = rec_get(self, ST_N_OPS)) == NULL)
         goto cleanup;
     long idx = PyLong_AsLong(index);
     if (idx == -1 && PyErr_Occurred())
         goto cleanup;
     int moved = index == index_before ? 0 : PyObject_RichCompareBool(index, index_before, Py_NE);
-    if (moved < 0 || (moved && put(row, F_INDEX, Py_NewRef(index)) < 0))
+    if (moved < 0 || (moved && put(row, F_INDEX, Py_NewRef(index), &tracked) < 0))
         goto cleanup;
     if (special || moved) {
         place_clear(&pl);
         if ((task = PyLong_FromLong(task_id)) == NULL || place_op(self, entry, args, task, task_id, grad_on, &pl) < 0 ||
-            put_place(row, &pl) < 0)
+            put_place(row, &pl, &tracked) < 0)
             goto cleanup;
     }
 
-    if (is_tensor(out) == 1) {
-        if ((outs = PyList_New(1)) != NULL)
-            PyList_SET_ITEM(outs, 0, Py_NewRef(out));
-    } else if (!PyErr_Occurred())
+    if (is_tensor(out) == 1)
+        outs = PyTuple_Pack(1, out);
+    else if (!PyErr_Occurred())
         outs = PyObject_CallOneArg(g_flat_outputs, out);
     if (outs == NULL || (mutates && after_writes(self, index, written, &outs) < 0))
         goto cleanup;
-    Py_ssize_t n_out = PyList_GET_SIZE(outs);
-    if (put(row, F_KIND, Py_NewRef(n_out == 0 ? s_other : n_in > 0 ? kind : s_factory)) < 0)
+    if (!PyList_CheckExact(outs) && !PyTuple_CheckExact(outs)) {
+        PyErr_SetString(PyExc_TypeError, "tl_dist: flat_outputs must return a list");
+        goto cleanup;
+    }
+    Py_ssize_t n_out = PySequence_Fast_GET_SIZE(outs);
+    if (put(row, F_KIND, Py_NewRef(n_out == 0 ? s_other : n_in > 0 ? kind : s_factory), &tracked) < 0)
         goto cleanup;
 
     /* Output shapes; input shapes where they wait for the op. */
@@ -348,7 +378,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
             fallback = 1;
             in_shapes = shapes_of(tensors, 1);
         }
-        if (put(row, F_IN_SHAPES, in_shapes) < 0)
+        if (put(row, F_IN_SHAPES, in_shapes, &tracked) < 0)
             goto cleanup;
     }
     out_shapes = fallback ? NULL : shapes_of(outs, 0);
@@ -360,17 +390,18 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     }
     if (fallback && (out_shapes = shapes_of(outs, 1)) == NULL)
         goto cleanup;
-    if (put(row, F_OUT_SHAPES, Py_NewRef(out_shapes)) < 0 ||
+    if (put(row, F_OUT_SHAPES, Py_NewRef(out_shapes), &tracked) < 0 ||
         describe_outputs(outs, out_shapes, token, index, &dtype, &device, &out_bytes, &link) < 0)
         goto cleanup;
-    put(row, F_DTYPE, dtype);
-    put(row, F_DEVICE, device);
+    put(row, F_DTYPE, dtype, &tracked);
+    put(row, F_DEVICE, device, &tracked);
     dtype = device = NULL; /* the row's */
-    if (put(row, F_OUT_BYTES, PyLong_FromLongLong(out_bytes)) < 0)
+    if (put(row, F_OUT_BYTES, PyLong_FromLongLong(out_bytes), &tracked) < 0)
         goto cleanup;
-    if (FIELD(row, F_FLOPS) == NULL && put(row, F_FLOPS, op_flops(entry, args, kwargs, out, in_shapes)) < 0)
+    if (FIELD(row, F_FLOPS) == NULL && put(row, F_FLOPS, op_flops(entry, args, kwargs, out, in_shapes), &tracked) < 0)
         goto cleanup;
-    untrack_atomic(row);
+    if (!tracked)
+        PyObject_GC_UnTrack(row); /* of atoms and untracked tuples: nothing for the GC to walk at close */
     if (PyList_Append(self->rows, row) < 0)
         goto cleanup;
     label_n = 0; /* recorded: the label stays taken */
@@ -385,7 +416,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         }
     } else if (n_out > 0) {
         if (grad_on) {
-            PyObject *next = PyTuple_Pack(2, link, outs);
+            PyObject *next = outs_as_list(&outs) < 0 ? NULL : PyTuple_Pack(2, link, outs);
             int rc = next == NULL ? -1 : rec_set(self, ST_PENDING, next);
             Py_XDECREF(next);
             if (rc < 0)
@@ -393,7 +424,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         }
     }
     if (n_out > 0 && self->stats_on) {
-        PyObject *r = PyObject_CallFunctionObjArgs(self->out_stats, index, outs, row, NULL);
+        PyObject *r = outs_as_list(&outs) < 0 ? NULL : PyObject_CallFunctionObjArgs(self->out_stats, index, outs, row, NULL);
         if (r == NULL)
             goto cleanup;
         Py_DECREF(r);
@@ -404,7 +435,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (rc < 0)
         goto cleanup;
     if (self->saving && n_out > 0) {
-        save_kwargs = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+        save_kwargs = outs_as_list(&outs) < 0 ? NULL : kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
         PyObject *r = save_kwargs == NULL ? NULL
                                           : PyObject_CallFunctionObjArgs(self->save_op, index, row, outs, func, args,
                                                                          save_kwargs, tensors, srcs,

@@ -810,21 +810,21 @@ bytes_of(PyObject *o, PyObject *shape, PyObject *dtype)
     return es == NULL || PyErr_Occurred() ? -1 : a * b;
 }
 
-/* dtype and device of the first output, the bytes of all (out_shapes: their shapes); tags each output with
- * (token, op, position) and sets *link: the tag of a single output (also its autograd node's link), else
- * (token, op). */
+/* dtype and device of the first output (outs: a list or a tuple), the bytes of all (out_shapes: their shapes);
+ * tags each output with (token, op, position) and sets *link: the tag of a single output (also its autograd
+ * node's link), else (token, op). */
 int
 describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject *index, PyObject **dtype,
                  PyObject **device, long long *out_bytes, PyObject **link)
 {
-    Py_ssize_t n_out = PyList_GET_SIZE(outs);
+    Py_ssize_t n_out = PySequence_Fast_GET_SIZE(outs);
     if (n_out == 0) {
         *dtype = Py_NewRef(s_empty);
         *device = Py_NewRef(s_empty);
         *link = PyTuple_Pack(2, token, index); /* a collective's outputs may still come (Recorder.on_op) */
         return *link == NULL ? -1 : 0;
     }
-    PyObject *first = PyList_GET_ITEM(outs, 0);
+    PyObject *first = PySequence_Fast_GET_ITEM(outs, 0);
     int cpu = tensor_true(first, T_IS_CPU);
     if (cpu < 0)
         return -1;
@@ -832,7 +832,7 @@ describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject
     if (*device == NULL)
         return -1;
     for (Py_ssize_t pos = 0; pos < n_out; pos++) {
-        PyObject *o = PyList_GET_ITEM(outs, pos);
+        PyObject *o = PySequence_Fast_GET_ITEM(outs, pos);
         PyObject *o_dtype = tensor_get(o, T_DTYPE);
         if (o_dtype == NULL)
             return -1;
