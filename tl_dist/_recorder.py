@@ -64,7 +64,16 @@ class Recorder:
 
     # The state every op reads and writes: slots, which the compiled path (_csrc) reads at a fixed offset in
     # the object instead of looking each name up in the instance dict; the rest stays in __dict__.
-    __slots__ = ("n_ops", "phase", "pending", "edits", "_last_write", "step_source", "__dict__", "__weakref__")
+    __slots__ = (
+        "n_ops",
+        "phase",
+        "pending",
+        "edits",
+        "_last_write",
+        "step_source",
+        "__dict__",
+        "__weakref__",
+    )
 
     def __init__(
         self,
