@@ -98,13 +98,15 @@ put(PyObject *row, int f, PyObject *value, int *tracked)
     return 0;
 }
 
-/* t, taken off the cyclic GC's list when it holds only atoms (untrack_atomic). */
+/* The shapes of tensors as tuples of ints (shapes_of); NULL without an error where one is a nested tensor's,
+ * whose ragged sizes need shape_of. */
 static PyObject *
-untracked(PyObject *t)
+plain_shapes(PyObject *tensors)
 {
-    if (t != NULL)
-        untrack_atomic(t);
-    return t;
+    PyObject *shapes = shapes_of(tensors, 0);
+    if (shapes == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError))
+        PyErr_Clear();
+    return shapes;
 }
 
 /* Moves where the op ran (place_op) into the row. */
@@ -306,17 +308,16 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (put(row, F_LABEL, label_of(name, label_n), &tracked) < 0 || put(row, F_INDEX, Py_NewRef(index_before), &tracked) < 0 ||
         put(row, F_FUNC, Py_NewRef(name), &tracked) < 0 || put(row, F_ATEN, Py_NewRef(PyTuple_GET_ITEM(entry, E_ATEN)), &tracked) < 0 ||
         put(row, F_INPLACE, Py_NewRef(mutates ? Py_True : Py_False), &tracked) < 0 ||
-        put(row, F_PARENTS, untracked(PyList_AsTuple(parents)), &tracked) < 0 ||
-        put(row, F_PARAMS, param_names == NULL ? PyTuple_New(0) : untracked(PyList_AsTuple(param_names)), &tracked) < 0)
+        put(row, F_PARENTS, untrack_atomic(PyList_AsTuple(parents)), &tracked) < 0 ||
+        put(row, F_PARAMS, param_names == NULL ? PyTuple_New(0) : untrack_atomic(PyList_AsTuple(param_names)), &tracked) < 0)
         goto cleanup;
     Py_CLEAR(parents);
     Py_CLEAR(param_names);
     if (!mutates) { /* else after the op: a write in place may change an input's shape (resize_, t_) */
-        PyObject *shapes = shapes_of(tensors, 0);
+        PyObject *shapes = plain_shapes(tensors);
         if (shapes == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
-                goto cleanup;
-            PyErr_Clear(); /* a nested tensor's ragged sizes: shape_of, after the op */
+            if (PyErr_Occurred())
+                goto cleanup; /* else a nested tensor: shape_of, after the op */
         } else {
             put(row, F_IN_SHAPES, shapes, &tracked);
             PyObject *known = op_flops(entry, args, kwargs, NULL, shapes);
@@ -371,21 +372,18 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     PyObject *in_shapes = FIELD(row, F_IN_SHAPES);
     int fallback = 0;
     if (in_shapes == NULL) {
-        if ((in_shapes = shapes_of(tensors, 0)) == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+        if ((in_shapes = plain_shapes(tensors)) == NULL) {
+            if (PyErr_Occurred())
                 goto cleanup;
-            PyErr_Clear();
             fallback = 1;
             in_shapes = shapes_of(tensors, 1);
         }
         if (put(row, F_IN_SHAPES, in_shapes, &tracked) < 0)
             goto cleanup;
     }
-    out_shapes = fallback ? NULL : shapes_of(outs, 0);
-    if (out_shapes == NULL && !fallback) {
-        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+    if (!fallback && (out_shapes = plain_shapes(outs)) == NULL) {
+        if (PyErr_Occurred())
             goto cleanup;
-        PyErr_Clear();
         fallback = 1;
     }
     if (fallback && (out_shapes = shapes_of(outs, 1)) == NULL)
@@ -445,7 +443,6 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         Py_DECREF(r);
     }
     result = Py_NewRef(out);
-    goto cleanup;
 
 cleanup:
     if (label_n > 0 && result == NULL)

@@ -41,12 +41,12 @@ enum {
 };
 extern int g_slot[N_FIELDS]; /* F_* -> position in the row */
 
-/* One window's compiled recorder. Every Python callable it holds is also in _fastpath._called_from_c (hidden
- * from Dynamo). */
 /* The recorder's per-op state, read and written every op (rec_get, rec_set): __slots__ of Recorder (and
  * ModuleTracker.current), so each is a pointer at a fixed offset in the object, not a dict entry. */
 enum { ST_PENDING, ST_N_OPS, ST_EDITS, ST_PHASE, ST_LAST_WRITE, ST_STEP_SOURCE, ST_COUNT };
 
+/* One window's compiled recorder. Every Python callable it holds is also in _fastpath._called_from_c (hidden
+ * from Dynamo). */
 typedef struct {
     PyObject_HEAD
     PyObject *rec;              /* the Recorder */
@@ -92,7 +92,7 @@ Py_ssize_t slot_offset(PyObject *obj, PyObject *name);
 void find_state_slots(FastOp *self);
 long long clock_ns(void); /* time.perf_counter_ns(); -1 with an error set */
 int is_tensor(PyObject *o);
-void untrack_atomic(PyObject *t);
+PyObject * untrack_atomic(PyObject *t);
 PyObject * entry_of(PyObject *func);
 void clear_entry_cache(void);
 int link_pending(FastOp *self, PyObject *pending);

@@ -103,19 +103,21 @@ is_tensor(PyObject *o)
 }
 
 /* Takes a tuple of atoms (ints, strs, tuples already untracked) off the cyclic GC's list, as the GC's own
- * first pass over it would: the window's rows then cost that pass nothing when the window closes. */
-void
+ * first pass over it would: the window's rows then cost that pass nothing when the window closes. Returns t
+ * (NULL passes through, its error set). */
+PyObject *
 untrack_atomic(PyObject *t)
 {
-    if (!PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t))
-        return;
+    if (t == NULL || !PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t))
+        return t;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
         PyObject *item = PyTuple_GET_ITEM(t, i);
         /* PyType_IS_GC first: a flag test, where the ints and strings of shapes and tags stop */
         if (PyType_IS_GC(Py_TYPE(item)) && PyObject_GC_IsTracked(item))
-            return;
+            return t;
     }
     PyObject_GC_UnTrack(t);
+    return t;
 }
 
 /* A direct-mapped cache in front of g_entries: hashing id(func) into the dict costs an int object and a
