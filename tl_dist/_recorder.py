@@ -71,6 +71,7 @@ class Recorder:
         "edits",
         "_last_write",
         "step_source",
+        "writes_generation",
         "__dict__",
         "__weakref__",
     )
@@ -104,6 +105,9 @@ class Recorder:
         self._writes: dict[int, list[tuple[int, int, int]]] = {}
         self._written_storage: dict[int, weakref.ref] = {}
         self._last_write = -1  # index of the latest in-place op
+        # Counts the write log's additions made here: the compiled path's address filter over the log
+        # (_csrc/writes.c, written_spans) is rebuilt when it moves.
+        self.writes_generation = 0
         self._label_counts: dict[str, int] = {}
         self.modules = ModuleTracker(self, roots)
         self._backward_sources: dict[int, str] = {}  # autograd graph task -> where backward() was called
@@ -419,6 +423,7 @@ class Recorder:
             lo, hi = byte_extent(t)
             if hi <= lo:
                 continue
+            self.writes_generation += 1
             owner = self._written_storage.get(key)
             if owner is None or owner() is not storage:
                 self._written_storage[key] = weakref.ref(storage)

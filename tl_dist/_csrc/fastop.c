@@ -41,7 +41,7 @@ PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
-    *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
+    *s_writes_generation, *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
     *s_sequence_nr;
 
 /* The outputs as the list Python's callbacks take: a single output is a tuple (one allocation, from CPython's
@@ -480,6 +480,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     PyObject *rec, *mode;
     if (!PyArg_ParseTuple(args, "OO:FastOp", &rec, &mode))
         return -1;
+    clear_spans(self);
     if (g_entries == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "tl_dist._fastop: configure() was not called (import tl_dist._fastpath)");
         return -1;
@@ -592,6 +593,7 @@ fastop_dealloc(FastOp *self)
 {
     PyObject_GC_UnTrack(self);
     fastop_clear(self);
+    clear_spans(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -736,6 +738,7 @@ PyInit__fastop(void)
     INTERN(s_untyped_storage, "untyped_storage");
     INTERN(s_nbytes, "nbytes");
     INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_writes_generation, "writes_generation");
     INTERN(s_base, "_base");
     INTERN(s_itemsize, "itemsize");
     INTERN(s_storage_offset, "storage_offset");

@@ -27,7 +27,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
-    *s_sequence_nr;
+    *s_sequence_nr, *s_writes_generation;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SHAPE_FLOPS, E_SIZE };
@@ -43,7 +43,11 @@ extern int g_slot[N_FIELDS]; /* F_* -> position in the row */
 
 /* The recorder's per-op state, read and written every op (rec_get, rec_set): __slots__ of Recorder (and
  * ModuleTracker.current), so each is a pointer at a fixed offset in the object, not a dict entry. */
-enum { ST_PENDING, ST_N_OPS, ST_EDITS, ST_PHASE, ST_LAST_WRITE, ST_STEP_SOURCE, ST_COUNT };
+enum { ST_PENDING, ST_N_OPS, ST_EDITS, ST_PHASE, ST_LAST_WRITE, ST_STEP_SOURCE, ST_WRITES_GENERATION, ST_COUNT };
+
+struct span {
+    unsigned long long lo, hi;
+};
 
 /* One window's compiled recorder. Every Python callable it holds is also in _fastpath._called_from_c (hidden
  * from Dynamo). */
@@ -70,6 +74,9 @@ typedef struct {
     PyObject *node_ops;         /* rec.node_ops: autograd node sequence number -> forward op */
     long long seq_floor;        /* rec.seq_floor: the counter when the window opened */
     PyObject *running;          /* borrowed: the OpInfo of the op running now (a post-mortem names it), or NULL */
+    struct span *written_spans; /* writes.c: where in memory the logged storages lie, sorted, disjoint */
+    Py_ssize_t n_spans, spans_cap;
+    long long spans_generation; /* the rec.writes_generation they include, -1 before the first */
 } FastOp;
 
 /* Where an op ran: its phase, the forward op it differentiates, its module (address, stack, call) and source,
@@ -114,5 +121,6 @@ PyObject * fastop_columns(PyObject *module, PyObject *args);
 int add_parent(PyObject *parents, PyObject *op);
 int note_writes(FastOp *self, PyObject *index, PyObject *written);
 int add_writer(FastOp *self, PyObject *parents, PyObject *t, long since);
+void clear_spans(FastOp *self);
 
 #endif

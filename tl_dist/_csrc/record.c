@@ -67,7 +67,7 @@ slot_get(PyObject *obj, Py_ssize_t offset, PyObject *name)
 
 /* The names of the ST_* state, in that order. */
 static PyObject **const state_names[ST_COUNT] = {&s_pending, &s_n_ops, &s_edits, &s_phase, &s_last_write,
-                                                 &s_step_source};
+                                                 &s_step_source, &s_writes_generation};
 
 PyObject *
 rec_get(FastOp *self, int which)

@@ -15,17 +15,131 @@ storage_of(PyObject *t)
     return storage;
 }
 
-/* _common.storage_address: the storage's address, or NULL with no error when it is empty or has none. */
+/* _common.storage_address: the storage's address (and *nbytes its size), or NULL with no error when it is empty
+ * or has none. */
 static PyObject *
-storage_address(PyObject *storage)
+storage_address(PyObject *storage, long long *nbytes)
 {
-    PyObject *nbytes = PyObject_CallMethodNoArgs(storage, s_nbytes);
-    int empty = nbytes == NULL ? -1 : !PyObject_IsTrue(nbytes);
-    Py_XDECREF(nbytes);
+    PyObject *size = PyObject_CallMethodNoArgs(storage, s_nbytes);
+    *nbytes = size == NULL ? -1 : PyLong_AsLongLong(size);
+    Py_XDECREF(size);
+    int empty = *nbytes == -1 && PyErr_Occurred() ? -1 : *nbytes == 0;
     PyObject *key = empty == 0 ? PyObject_CallMethodNoArgs(storage, s_data_ptr) : NULL;
     if (key == NULL && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_RuntimeError))
         PyErr_Clear();
     return key;
+}
+
+/* -- where the logged storages lie ----------------------------------------------------------------------
+ * Most tensors an op reads after the window's first write in place are in no logged storage (parameters read
+ * after a dropout mask was written, gradients read by the optimizer). Finding a tensor's storage makes a
+ * storage object and asks it two things; its data pointer alone says it is in none of them, when it falls
+ * outside every [address, address + nbytes) of the log: a sorted list of disjoint spans, their union (a
+ * superset: spans of storages freed since stay). Writes logged by Recorder._note_writes (the Python path) move
+ * rec.writes_generation: the spans are then made again from rec._written_storage. */
+
+void
+clear_spans(FastOp *self)
+{
+    PyMem_Free(self->written_spans);
+    self->written_spans = NULL;
+    self->n_spans = self->spans_cap = 0;
+    self->spans_generation = -1;
+}
+
+/* Adds [lo, hi) to the union. */
+static int
+add_span(FastOp *self, unsigned long long lo, unsigned long long hi)
+{
+    struct span *v = self->written_spans;
+    Py_ssize_t n = self->n_spans, first = 0;
+    while (first < n && v[first].hi < lo) /* the first span that touches or follows [lo, hi) */
+        first++;
+    Py_ssize_t last = first; /* one past the last span [lo, hi) touches */
+    while (last < n && v[last].lo <= hi) {
+        lo = Py_MIN(lo, v[last].lo);
+        hi = Py_MAX(hi, v[last].hi);
+        last++;
+    }
+    if (last == first) { /* touches none: one more span */
+        if (n == self->spans_cap) {
+            Py_ssize_t cap = n ? 2 * n : 16;
+            struct span *grown = PyMem_Realloc(v, cap * sizeof(struct span));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            self->written_spans = v = grown;
+            self->spans_cap = cap;
+        }
+        memmove(v + first + 1, v + first, (n - first) * sizeof(struct span));
+        self->n_spans = n + 1;
+    } else if (last > first + 1) { /* merged: the spans after it move down */
+        memmove(v + first + 1, v + last, (n - last) * sizeof(struct span));
+        self->n_spans = n - (last - first - 1);
+    }
+    v[first].lo = lo;
+    v[first].hi = hi;
+    return 0;
+}
+
+/* Makes the spans again from rec._written_storage when Python's write log moved since they were made. */
+static int
+spans_current(FastOp *self)
+{
+    PyObject *value = rec_get(self, ST_WRITES_GENERATION);
+    long long generation = value == NULL ? -1 : PyLong_AsLongLong(value);
+    Py_XDECREF(value);
+    if (generation == -1 && PyErr_Occurred())
+        return -1;
+    if (generation == self->spans_generation)
+        return 0;
+    self->n_spans = 0;
+    Py_ssize_t pos = 0;
+    PyObject *key, *ref;
+    while (PyDict_Next(self->written_storage, &pos, &key, &ref)) {
+        PyObject *storage = PyWeakref_Check(ref) ? PyWeakref_GetObject(ref) : NULL;
+        if (storage == NULL || storage == Py_None) /* freed: nothing of it is read again */
+            continue;
+        long long nbytes;
+        PyObject *address = storage_address(storage, &nbytes);
+        unsigned long long lo = address == NULL ? 0 : PyLong_AsUnsignedLongLong(address);
+        Py_XDECREF(address);
+        if (PyErr_Occurred() || (address != NULL && add_span(self, lo, lo + (unsigned long long)nbytes) < 0))
+            return -1;
+    }
+    self->spans_generation = generation;
+    return 0;
+}
+
+/* Whether t's data pointer is in a span: 1; 0 when it is in none (no logged storage holds t); -1 with an error.
+ * A tensor without a data pointer counts as in one (the storage path decides). */
+static int
+in_spans(FastOp *self, PyObject *t)
+{
+    if (spans_current(self) < 0)
+        return -1;
+    PyObject *value = PyObject_CallMethodNoArgs(t, s_data_ptr);
+    if (value == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+            return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
+    if (p == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    struct span *v = self->written_spans;
+    Py_ssize_t lo = 0, hi = self->n_spans; /* the first span ending after p */
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (v[mid].hi <= p)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < self->n_spans && v[lo].lo <= p;
 }
 
 static int
@@ -124,9 +238,13 @@ note_writes(FastOp *self, PyObject *index, PyObject *written)
                 return -1;
             continue;
         }
-        PyObject *key = storage_address(storage);
-        long long lo = 0, hi = 0;
+        long long lo = 0, hi = 0, nbytes;
+        PyObject *key = storage_address(storage, &nbytes);
         int rc = key == NULL ? (PyErr_Occurred() ? -1 : 0) : byte_extent(t, storage, &lo, &hi);
+        if (rc == 0 && key != NULL && hi > lo) {
+            unsigned long long address = PyLong_AsUnsignedLongLong(key);
+            rc = PyErr_Occurred() || add_span(self, address, address + (unsigned long long)nbytes) < 0 ? -1 : 0;
+        }
         if (rc == 0 && key != NULL && hi > lo) {
             PyObject *entry = Py_BuildValue("(OLL)", index, lo, hi);
             int same = entry == NULL ? -1 : same_storage(self, key, storage);
@@ -206,10 +324,14 @@ written_since(FastOp *self, PyObject *t, PyObject *storage, PyObject *key, long 
 int
 add_writer(FastOp *self, PyObject *parents, PyObject *t, long since)
 {
+    int maybe = in_spans(self, t);
+    if (maybe <= 0)
+        return maybe;
     PyObject *storage = storage_of(t);
     if (storage == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    PyObject *key = storage_address(storage);
+    long long nbytes;
+    PyObject *key = storage_address(storage, &nbytes);
     long writer = -1;
     if (key == NULL) {
         writer = PyErr_Occurred() ? -2 : -1;
