@@ -353,6 +353,29 @@ def test_an_op_that_raises_inside_a_window_takes_no_label(monkeypatch: pytest.Mo
     assert labels == [["mm_1", "mm_2"], ["mm_1", "mm_2"]]
 
 
+@pytest.mark.parametrize("pure", [True, False], ids=["python", "compiled"])
+def test_a_read_after_a_write_in_place_links_the_writer_of_those_bytes(
+    monkeypatch: pytest.MonkeyPatch, pure: bool
+) -> None:
+    # Tensors made before the window (untagged): the write log alone says which op last wrote what they read.
+    # The compiled path looks a read up only when its data pointer lies in a written storage: a view into the
+    # middle of one must still be found, and the Python path's writes (a tensor-list op) must count too.
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1" if pure else "0")
+    base, other, pair = torch.zeros(10), torch.ones(10), [torch.zeros(3), torch.zeros(3)]
+    tail, head = base[6:], base[:2]
+    with tl.capture() as cap:
+        other * 2  # 0: before any write
+        base[4:8].add_(1)  # 1: slice, 2: add_ into bytes 16-32
+        tail * 2  # 3: reads bytes 24-40, of which 24-32 op 2 wrote
+        head * 2  # 4: bytes 0-8, not written
+        other * 3  # 5: another storage
+        torch._foreach_add_(pair, 1.0)  # 6: a tensor-list write, logged by the Python path
+        pair[1] * 2  # 7
+    df = cap.trace.to_pandas()
+    assert df.func.tolist() == ["mul", "slice", "add_", "mul", "mul", "mul", "_foreach_add_", "mul"]
+    assert [list(p) for p in df.parents] == [[], [], [1], [2], [], [], [], [6]]
+
+
 @needs_extension
 def test_compiled_rows_are_off_the_garbage_collectors_list(monkeypatch: pytest.MonkeyPatch) -> None:
     # Rows hold only ints, strings and tuples of them: untracked, a long window leaves the GC nothing to walk.
