@@ -390,6 +390,9 @@ def test_compiled_rows_are_off_the_garbage_collectors_list(monkeypatch: pytest.M
             rows = list(cap._recorder.rows)
         assert len(rows) > 30
         assert [row for row in rows if gc.is_tracked(row)] == []
+        # and so are the trace's columns of them: the collection after the window visits none of their values
+        assert [name for name, column in cap.trace.columns.items() if gc.is_tracked(column)] == []
+        assert gc.isenabled()
 
 
 @needs_extension

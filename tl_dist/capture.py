@@ -136,6 +136,15 @@ class Capture:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        # The GC comes back on after the trace is built and handed on: the collection its first allocation
+        # starts then finds the window's objects in their final, mostly untracked, form (columns of atoms).
+        try:
+            self._close(exc_type, exc, tb)
+        finally:
+            if self._gc_was_enabled:
+                gc.enable()
+
+    def _close(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         recorder = self._recorder
         # The last look at the collectives in flight happens inside the window: a completion first seen while
         # the trace is built would be stamped after the window's end (its span would outlast the step's).
@@ -153,8 +162,6 @@ class Capture:
             recorder.phases.uninstall()
             # tl.trace keeps inert gradient hooks on the graph for trace.log_backward.
             recorder.training.uninstall(keep_node_hooks=self._keep_node_hooks)
-            if self._gc_was_enabled:
-                gc.enable()
         try:
             self.trace = self._build_trace(output=None, end_ns=end_ns)
         except Exception as build_error:
