@@ -348,3 +348,20 @@ def test_a_shared_module_outside_the_tree_recomputed_under_checkpoint_keeps_its_
         ("recompute", "layers.1.<_Rotate>"),  # backward reaches the last layer first
         ("recompute", "layers.0.<_Rotate>"),
     ]
+
+
+def test_a_window_makes_its_op_table_on_first_read() -> None:
+    # Closing a window leaves the transpose of its rows to whoever reads the table first (a sink's worker
+    # thread, or no one): the trace's length is known without it, and the table is made once.
+    x = torch.ones(3)
+    with tl.capture() as cap:
+        y = x * 2
+        torch.relu(y + 1)
+    trace = cap.trace
+    assert trace._columns is None
+    assert len(trace) == 3
+    assert trace._columns is None
+    assert trace.columns["label"] == ["mul_1", "add_1", "relu_1"]
+    assert trace.columns["out_shapes"] == [((3,),), ((3,),), ((3,),)]
+    assert trace.columns is trace.columns
+    assert [op.label for op in trace] == ["mul_1", "add_1", "relu_1"]

@@ -28,8 +28,8 @@ from ._recorder import ACTIVE, Recorder
 from .compiled import RegionHook, watch_compiles
 from .errors import TlDistError
 from .options import DEFAULT_OPTIONS, CaptureOptions, check_options
-from .schema import module_name
-from .trace import Trace
+from .schema import OP_FIELDS, field_names, module_name
+from .trace import PendingColumns, Trace
 
 _OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph", "intervene")
 
@@ -163,7 +163,7 @@ class Capture:
             # tl.trace keeps inert gradient hooks on the graph for trace.log_backward.
             recorder.training.uninstall(keep_node_hooks=self._keep_node_hooks)
         try:
-            self.trace = self._build_trace(output=None, end_ns=end_ns)
+            self.trace = self._build_trace(output=None, end_ns=end_ns, final=True)
         except Exception as build_error:
             if exc is None:
                 raise
@@ -228,10 +228,14 @@ class Capture:
             trace.failed_op = _in_flight(frame, self._mode, rec)
         return trace
 
-    def _build_trace(self, output: Any, end_ns: int | None = None) -> Trace:
+    def _build_trace(self, output: Any, end_ns: int | None = None, *, final: bool = False) -> Trace:
+        """The trace of the window so far; ``final`` (the window has closed: its rows are all there) leaves the
+        op table to be made on first use (``PendingColumns``), where nothing at close needs it."""
         rec = self._recorder
         modules = rec.modules
-        columns = rec.columns()
+        # Collectives' completion reads the op table; so does a snapshot, whose window goes on adding rows.
+        lazy = final and not rec.comm.rows
+        columns = PendingColumns(rec.columns, len(rec.rows)) if lazy else rec.columns()
         metadata: dict[str, Any] = {
             "grad_enabled": self._grad_enabled,  # at the window's start: replay() runs kernels in this mode
             "clock_offset_ns": rec.clock_offset_ns,
@@ -239,18 +243,18 @@ class Capture:
             "window_end_ns": end_ns if end_ns is not None else time.time_ns(),
             **_cpu_setting(),
         }
-        cuda = next((d for d in set(columns["device"]) if d.startswith("cuda")), None)
+        cuda = _first_cuda_device(rec) if torch.cuda.is_initialized() else None  # none without CUDA's context
         if cuda is not None:
             metadata["device_name"] = torch.cuda.get_device_name(torch.device(cuda))
         if self._interventions is not None:
             metadata.update(self._interventions.metadata())
         if self._regions is not None and self._regions.unknown:
             metadata["compiled_unknown"] = self._regions.unknown
-        _drop_freed(rec.saved, rec.training.grads, columns["label"])
+        _drop_freed(rec.saved, rec.training.grads, rec.rows)
         trace = Trace(
             columns,
             modules.calls,  # the tracker is done with it: no copy
-            collective_table=rec.comm.columns(columns),
+            collective_table=rec.comm.columns(None if lazy else columns),
             saved=rec.saved,
             replay_records=rec.replay_records,
             output_of={i: tuple(a) for i, a in rec.output_of.items()},
@@ -273,14 +277,14 @@ class Capture:
         trace, opts = self.trace, self.options
         if not len(trace):
             return
-        found = {
-            "save": bool(trace.saved),
-            "save_grads": bool(trace.grads) or "backward" not in trace.columns["phase"],
-            "stats": bool(trace.stats_table["op"]),
+        found = {  # each read only for a selector that was given: the op table may not be made yet
+            "save": lambda: bool(trace.saved),
+            "save_grads": lambda: bool(trace.grads) or "backward" not in trace.columns["phase"],
+            "stats": lambda: bool(trace.stats_table["op"]),
         }
         for name, hit in found.items():
             selector = getattr(opts, name)
-            if selector is None or selector is True or hit:
+            if selector is None or selector is True or hit():
                 continue
             if name == "stats" and any(selector.match(op) for op in trace):
                 continue  # matched ops without floating-point values: nothing to summarise, not a typo
@@ -331,17 +335,24 @@ class Capture:
                         outs[pos] = map_local(t, torch.Tensor.clone)
 
 
-def _drop_freed(saved: dict[int, list], grads: dict[int, list], labels: list[str]) -> None:
+def _first_cuda_device(rec: Recorder) -> str | None:
+    """The first CUDA device an op of the window ran on (its rows' device field), None if none did."""
+    device = field_names(OP_FIELDS).index("device")
+    return next((row[device] for row in rec.rows if row[device].startswith("cuda")), None)
+
+
+def _drop_freed(saved: dict[int, list], grads: dict[int, list], rows: list[tuple]) -> None:
     """Forgets saved outputs and gradients whose memory was freed during the window (FSDP's unsharded
     parameters, :func:`has_its_bytes`): their values are gone, and reading them would crash the process."""
     lost = []
+    label = field_names(OP_FIELDS).index("label")
     with torch._C._DisableTorchDispatch():
         for kept in (saved, grads):
             for index, outs in kept.items():
                 for pos, t in enumerate(outs):
                     if t is not None and not has_its_bytes(t):
                         outs[pos] = None
-                        lost.append(labels[index])
+                        lost.append(rows[index][label])
     if lost:
         warnings.warn(
             f"{len(lost)} saved tensor(s) were freed before the window ended and are not kept: "

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_unflatten
@@ -223,12 +223,27 @@ def _saved_leaf(saved: Any, ref: dict) -> torch.Tensor | None:
     return None if outs is None else outs[ref["pos"]]
 
 
+class PendingColumns(NamedTuple):
+    """An op table made on first use: ``make()`` returns it (schema order), ``n_ops`` is its length. A window's
+    trace starts in this form: a window nobody reads costs no transpose of its rows on the training thread,
+    and an armed one's is made where a sink first reads it (the sink worker).
+
+    Example:
+        >>> trace = Trace(PendingColumns(recorder.columns, len(recorder.rows)), recorder.modules.calls)
+        >>> len(trace) == len(recorder.rows)  # no table made yet
+        True
+    """
+
+    make: Callable[[], dict[str, list]]
+    n_ops: int
+
+
 class Trace:
     """The ops of one capture, in execution order. Built by ``tl.trace``, ``tl.capture`` or ``tl.load``."""
 
     def __init__(
         self,
-        columns: dict[str, list],
+        columns: dict[str, list] | PendingColumns,
         module_table: dict[str, list],
         *,
         collective_table: dict[str, list] | None = None,
@@ -245,10 +260,11 @@ class Trace:
         param_grads: dict[str, torch.Tensor] | None = None,
         interventions: tuple = (),
     ) -> None:
-        missing = [n for n in field_names(OP_FIELDS) if n not in columns]
-        if missing:
-            raise SchemaError(f"columns lacks schema fields {missing} (see tl_dist.schema.OP_FIELDS)")
-        self.columns = columns
+        self._pending: PendingColumns | None = None
+        if isinstance(columns, PendingColumns):
+            self._pending, self._columns = columns, None
+        else:
+            self.columns = columns
         self.module_table = module_table
         self.collective_table = collective_table or empty_columns(COLLECTIVE_FIELDS)
         self.saved = saved or {}
@@ -273,6 +289,27 @@ class Trace:
         self.interventions = tuple(interventions)  # the tl.when(...) edits this trace ran with
         self._labels: dict[str, int] | None = None
         self._children: list[tuple[int, ...]] | None = None
+
+    @property
+    def columns(self) -> dict[str, list]:
+        """The op table: one list per field of ``schema.OP_FIELDS``, item ``i`` of each being op ``i``'s."""
+        columns = self._columns
+        if columns is None:
+            # Two threads may both get here (the training thread and a sink's): each makes an equal table, or
+            # finds the other's made meanwhile.
+            pending = self._pending
+            if pending is None:
+                return self._columns
+            columns = self._columns = pending.make()
+            self._pending = None
+        return columns
+
+    @columns.setter
+    def columns(self, columns: dict[str, list]) -> None:
+        missing = [n for n in field_names(OP_FIELDS) if n not in columns]
+        if missing:
+            raise SchemaError(f"columns lacks schema fields {missing} (see tl_dist.schema.OP_FIELDS)")
+        self._columns, self._pending = columns, None
 
     def without_tensors(self) -> Trace:
         """This trace's tables and metadata without any tensor: no saved outputs, gradients, replay records or
@@ -312,7 +349,8 @@ class Trace:
 
     # -- container protocol --------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.columns["index"])
+        pending = self._pending
+        return pending.n_ops if pending is not None else len(self.columns["index"])
 
     def __iter__(self) -> Iterator[Op]:
         return (Op(self, i) for i in range(len(self)))
