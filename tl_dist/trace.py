@@ -320,8 +320,14 @@ class Trace:
             >>> len(bare) == len(trace), bare.saved, bare.output
             (True, {}, None)
         """
+        # A table still to be made is made from the recorder, which holds the window's tensors: made now
+        # unless there are none to keep alive (a telemetry window's), so the table is made off this thread.
+        pending = self._pending
+        holds_tensors = (
+            self.saved or self.grads or self._replay or self.param_grads or self._output is not None
+        )
         return Trace(
-            self.columns,
+            pending if pending is not None and not holds_tensors else self.columns,
             self.module_table,
             collective_table=self.collective_table,
             output_of=self.output_of,
