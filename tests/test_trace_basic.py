@@ -365,3 +365,17 @@ def test_a_window_makes_its_op_table_on_first_read() -> None:
     assert trace.columns["out_shapes"] == [((3,),), ((3,),), ((3,),)]
     assert trace.columns is trace.columns
     assert [op.label for op in trace] == ["mul_1", "add_1", "relu_1"]
+
+
+def test_a_pending_table_keeps_the_ops_it_was_made_for() -> None:
+    # A trace's pending table reads its recorder's rows when first read; rows the recorder got since (another
+    # trace of the same window ran log_backward) are not this trace's.
+    from tl_dist.schema import OP_FIELDS, field_names
+    from tl_dist.trace import PendingColumns, Trace
+
+    names = field_names(OP_FIELDS)
+    grown = {name: list(range(5)) for name in names}
+    trace = Trace(PendingColumns(lambda: grown, 3), {})
+    assert len(trace) == 3
+    assert trace.columns["index"] == [0, 1, 2]
+    assert set(trace.columns) == set(names)

@@ -224,7 +224,8 @@ def _saved_leaf(saved: Any, ref: dict) -> torch.Tensor | None:
 
 
 class PendingColumns(NamedTuple):
-    """An op table made on first use: ``make()`` returns it (schema order), ``n_ops`` is its length. A window's
+    """An op table made on first use: ``make()`` returns it (schema order), ``n_ops`` its length (the first
+    ``n_ops`` rows of what ``make()`` returns, should its rows have grown since). A window's
     trace starts in this form: a window nobody reads costs no transpose of its rows on the training thread,
     and an armed one's is made where a sink first reads it (the sink worker).
 
@@ -300,8 +301,12 @@ class Trace:
             pending = self._pending
             if pending is None:
                 return self._columns
-            columns = self._columns = pending.make()
-            self._pending = None
+            columns = pending.make()
+            if (
+                len(columns["index"]) > pending.n_ops
+            ):  # rows added since (log_backward on the trace it came from)
+                columns = {name: values[: pending.n_ops] for name, values in columns.items()}
+            self._columns, self._pending = columns, None
         return columns
 
     @columns.setter
