@@ -392,6 +392,7 @@ def test_compiled_rows_are_off_the_garbage_collectors_list(monkeypatch: pytest.M
         assert [row for row in rows if gc.is_tracked(row)] == []
         # and so are the trace's columns of them: the collection after the window visits none of their values
         assert [name for name, column in cap.trace.columns.items() if gc.is_tracked(column)] == []
+        assert not gc.is_tracked(cap._recorder.rows)
         assert gc.isenabled()
 
 

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import _session
 from ._common import TAG, has_its_bytes, map_local, storage_key, user_stacklevel
+from ._fastpath import untrack_rows
 from ._intervene import Interventions
 from ._modes import CaptureMode
 from ._recorder import ACTIVE, Recorder
@@ -164,6 +165,7 @@ class Capture:
             recorder.training.uninstall(keep_node_hooks=self._keep_node_hooks)
         try:
             self.trace = self._build_trace(output=None, end_ns=end_ns, final=True)
+            untrack_rows(recorder.rows)
         except Exception as build_error:
             if exc is None:
                 raise

@@ -694,6 +694,8 @@ static PyMethodDef module_methods[] = {
      PyDoc_STR("configure(**objects): the torch and tl_dist objects the fast path calls (once, at import).")},
     {"columns", fastop_columns, METH_VARARGS,
      PyDoc_STR("columns(rows, width, shift_field, shift): the rows as `width` lists, `shift` added to one field.")},
+    {"untrack_rows", fastop_untrack_rows, METH_O,
+     PyDoc_STR("untrack_rows(rows): a closed window's rows list off the cyclic GC's list (it is in no cycle).")},
     {NULL, NULL, 0, NULL},
 };
 

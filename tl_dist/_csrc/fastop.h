@@ -118,6 +118,7 @@ void place_clear(struct place *pl);
 int place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long task_id, int grad_on,
          struct place *pl);
 PyObject * fastop_columns(PyObject *module, PyObject *args);
+PyObject * fastop_untrack_rows(PyObject *module, PyObject *rows);
 int add_parent(PyObject *parents, PyObject *op);
 int note_writes(FastOp *self, PyObject *index, PyObject *written);
 int add_writer(FastOp *self, PyObject *parents, PyObject *t, long since);
