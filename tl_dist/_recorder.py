@@ -121,6 +121,9 @@ class Recorder:
         self.pending: tuple[tuple, list[Tensor]] | None = None
         # Forward ops linked to their autograd node by its sequence number (training.py, "backward -> forward").
         self.node_ops: dict[int, int] = {}
+        self.tagged_nodes: set[int] = (
+            set()
+        )  # sequence numbers of the nodes tagged in metadata (training.tag_node)
         self.seq_floor = _node_seq_now()
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
         self.phases = PhaseTracker(self)
@@ -286,7 +289,7 @@ class Recorder:
             address, stack = recomputed
             source = self.locate() if self.locate is not None else ""
         else:
-            phase, fwd_op, call = "backward", backward_link(token, self.node_ops), -1
+            phase, fwd_op, call = "backward", backward_link(self), -1
             if fwd_op >= 0:  # the module of the forward op this op differentiates
                 forward_row = self.rows[fwd_op]
                 address, stack = forward_row[_MODULE], forward_row[_MODULE_STACK]

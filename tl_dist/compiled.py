@@ -340,7 +340,7 @@ class RegionHook:
         if region.record is None:
             self.unknown += 1
         if self._forwards and torch._C._current_graph_task_id() != -1:
-            link_running_node(recorder.token, self._forwards)  # a backward region: its forward region
+            link_running_node(recorder, self._forwards)  # a backward region: its forward region
         outer, issued = self._issued, []
         self._issued = issued
         unlinked = recorder.comm.unlinked

@@ -12,7 +12,9 @@ The recorder owns one :class:`TrainingState`. It touches the per-op hot path in 
   collectives, tensor subclasses and windows with gradient hooks link the node itself: their outputs get
   their ``grad_fn`` only after the dispatch mode returns, so the recorder parks them in ``recorder.pending``
   and :meth:`TrainingState.link_pending` tags their node's ``metadata`` with ``(token, op index)`` at the
-  next dispatch. A backward op reads the running node's tag first, then its number (:func:`backward_link`).
+  next dispatch (:func:`tag_node`, which notes the node's number in ``recorder.tagged_nodes``). A backward op
+  reads the running node's tag when its number is a tagged one's, else looks its number up
+  (:func:`backward_link`): an untagged node's metadata is never made.
   Neither keeps a graph alive.
 - Gradients and gradient statistics come from a pre-hook on the forward op's node: it receives the gradient
   of the loss w.r.t. each of the node's outputs, i.e. w.r.t. the op's outputs as they were produced (an
@@ -89,7 +91,15 @@ def _module_output_stats(row: tuple) -> bool:
     return row[_PHASE] == "forward" and not _stats_by_default(row) and "empty" not in row[_FUNC]
 
 
-def link_running_node(token: object, candidates: list[tuple[int, list[Tensor]]]) -> None:
+def tag_node(rec: RecorderState, node: Any, link: tuple) -> None:
+    """Tags autograd ``node`` with ``link`` (this window's token, an op index, ...) and notes its sequence number
+    in ``rec.tagged_nodes``: a backward op reads the tag only of a node whose number is there (backward_link),
+    and no other node's metadata is made."""
+    node.metadata[_KEY] = link
+    rec.tagged_nodes.add(node._sequence_nr())
+
+
+def link_running_node(rec: RecorderState, candidates: list[tuple[int, list[Tensor]]]) -> None:
     """Links the autograd node running now to the forward op among ``candidates`` (op index, its outputs) whose
     output it is the node of, unless it is linked already, and drops that candidate: for ops whose outputs got
     their node only after the op was recorded (a compiled region runs inside its autograd Function's forward)."""
@@ -99,23 +109,26 @@ def link_running_node(token: object, candidates: list[tuple[int, list[Tensor]]])
     for k in range(len(candidates) - 1, -1, -1):
         index, outs = candidates[k]
         if any(out.grad_fn is node for out in outs):
-            node.metadata[_KEY] = (token, index)
+            tag_node(rec, node, (rec.token, index))
             del candidates[k]
             return
 
 
-def backward_link(token: object, node_ops: dict[int, int]) -> int:
+def backward_link(rec: RecorderState) -> int:
     """Index of the forward op whose autograd node is running now (-1 when unknown); called per backward op.
     A node tagged with this window's token names its op (in-place ops, custom Functions, module outputs, the
     nodes of collectives); any other is looked up by its sequence number among the forward ops' nodes
-    (``node_ops``, see ``Recorder.on_op``)."""
+    (``node_ops``, see ``Recorder.on_op``). The tag is read only where the node's number is a tagged one's
+    (``rec.tagged_nodes``; another thread's node may share it): most nodes' metadata is never made."""
     node = _current_node()
     if node is None:
         return -1
-    link = node.metadata.get(_KEY)
-    if link is not None and link[0] is token:
-        return link[1]
-    return node_ops.get(node._sequence_nr(), -1)
+    number = node._sequence_nr()
+    if number in rec.tagged_nodes:
+        link = node.metadata.get(_KEY)
+        if link is not None and link[0] is rec.token:
+            return link[1]
+    return rec.node_ops.get(number, -1)
 
 
 def tensor_stats(t: Tensor) -> Tensor | list[float] | None:
@@ -377,7 +390,7 @@ class TrainingState:
                 or node._sequence_nr() in node_ops
             ):
                 continue
-            meta[_KEY] = link
+            tag_node(self.rec, node, link)
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def link_module_output(self, leaf: Tensor, tag: tuple) -> None:
@@ -391,7 +404,7 @@ class TrainingState:
         old = meta.get(_KEY)
         if old is not None and old[0] is tag[0]:
             return  # linked when its op ran, or by an earlier module returning the same tensor
-        meta[_KEY] = tag
+        tag_node(self.rec, node, tag)
         if self.hooks_on:
             index, pos = tag[1], tag[2]
             n_out = len(self.rec.rows[index][_OUT_SHAPES])
@@ -411,7 +424,7 @@ class TrainingState:
                 meta = node.metadata
                 old = meta.get(_KEY)
                 if old is None or old[0] is not token:
-                    meta[_KEY] = link
+                    tag_node(rec, node, link)
             return
         index = link[1]
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
@@ -422,7 +435,7 @@ class TrainingState:
             meta = node.metadata
             old = meta.get(_KEY)
             if old is None or old[0] is not token:
-                meta[_KEY] = link
+                tag_node(rec, node, link)
             elif old[1] != index:
                 continue  # the output is an earlier op's tensor passed through; that op owns the node
             if self.hooks_on:

@@ -535,7 +535,10 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     Py_XDECREF(floor);
     if (floor == NULL || (self->seq_floor == -1 && PyErr_Occurred()))
         return -1;
-    if (!PyDict_Check(self->node_ops)) {
+    self->tagged_nodes = PyObject_GetAttrString(rec, "tagged_nodes");
+    if (self->tagged_nodes == NULL)
+        return -1;
+    if (!PyDict_Check(self->node_ops) || !PySet_Check(self->tagged_nodes)) {
         PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
         return -1;
     }
@@ -568,7 +571,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(storage_refs) X(save_op) X(before_write) X(node_ops)
+    X(storage_refs) X(save_op) X(before_write) X(node_ops) X(tagged_nodes)
 
 static int
 fastop_clear(FastOp *self)

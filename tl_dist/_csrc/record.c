@@ -205,10 +205,14 @@ link_pending(FastOp *self, PyObject *pending)
     }
     PyObject *token = PyTuple_GET_ITEM(link, 0);
     if (old == NULL || old == Py_None || !PyTuple_Check(old) || PyTuple_GET_SIZE(old) < 1 ||
-        PyTuple_GET_ITEM(old, 0) != token)
-        rc = PyObject_SetItem(meta, g_tag, link);
-    else
+        PyTuple_GET_ITEM(old, 0) != token) {
+        rc = PyObject_SetItem(meta, g_tag, link); /* training.tag_node: the tag, and the number noted */
+        PyObject *number = rc < 0 ? NULL : PyObject_CallMethodNoArgs(node, s_sequence_nr);
+        rc = number == NULL ? -1 : PySet_Add(self->tagged_nodes, number);
+        Py_XDECREF(number);
+    } else {
         rc = 0;
+    }
     Py_XDECREF(old);
     Py_DECREF(meta);
 done:
@@ -412,7 +416,8 @@ any_base(PyObject *written)
 }
 
 /* training.backward_link: the forward op whose autograd node is running now, -1 when unknown: the node's tag
- * of this window, else its sequence number among the forward ops' nodes (rec.node_ops). */
+ * of this window where its number is a tagged node's (rec.tagged_nodes), else its sequence number among the
+ * forward ops' nodes (rec.node_ops). */
 static PyObject *
 backward_link(FastOp *self)
 {
@@ -420,37 +425,32 @@ backward_link(FastOp *self)
     if (node == NULL)
         return NULL;
     long fwd = -1;
-    if (node != Py_None) {
+    PyObject *number = node == Py_None ? NULL : PyObject_CallMethodNoArgs(node, s_sequence_nr);
+    int tagged = number == NULL ? 0 : PySet_Contains(self->tagged_nodes, number);
+    if (tagged > 0) {
         PyObject *meta = PyObject_GetAttr(node, s_metadata);
-        if (meta == NULL) {
-            Py_DECREF(node);
-            return NULL;
-        }
-        PyObject *link = PyDict_Check(meta) ? Py_XNewRef(PyDict_GetItemWithError(meta, g_tag)) : NULL;
-        Py_DECREF(meta);
-        if (link == NULL && PyErr_Occurred()) {
-            Py_DECREF(node);
-            return NULL;
-        }
+        PyObject *link = meta != NULL && PyDict_Check(meta) ? Py_XNewRef(PyDict_GetItemWithError(meta, g_tag)) : NULL;
+        Py_XDECREF(meta);
         if (link != NULL && PyTuple_Check(link) && PyTuple_GET_SIZE(link) >= 2 &&
             PyTuple_GET_ITEM(link, 0) == self->token) {
             fwd = PyLong_AsLong(PyTuple_GET_ITEM(link, 1));
-        } else if (PyDict_GET_SIZE(self->node_ops) > 0) {
-            PyObject *number = PyObject_CallMethodNoArgs(node, s_sequence_nr);
-            PyObject *op = number == NULL ? NULL : PyDict_GetItemWithError(self->node_ops, number);
-            Py_XDECREF(number);
-            if (op != NULL)
-                fwd = PyLong_AsLong(op);
-            else if (PyErr_Occurred()) {
-                Py_XDECREF(link);
-                Py_DECREF(node);
-                return NULL;
-            }
+            tagged = 2; /* found */
         }
         Py_XDECREF(link);
+        if (meta == NULL || PyErr_Occurred())
+            tagged = -1;
     }
+    if (tagged >= 0 && tagged != 2 && number != NULL) {
+        PyObject *op = PyDict_GetItemWithError(self->node_ops, number);
+        if (op != NULL)
+            fwd = PyLong_AsLong(op);
+        else if (PyErr_Occurred())
+            tagged = -1;
+    }
+    int failed = tagged < 0 || (node != Py_None && number == NULL) || (fwd == -1 && PyErr_Occurred());
+    Py_XDECREF(number);
     Py_DECREF(node);
-    return fwd == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(fwd);
+    return failed ? NULL : PyLong_FromLong(fwd);
 }
 
 static PyObject *
