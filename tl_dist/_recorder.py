@@ -121,9 +121,8 @@ class Recorder:
         self.pending: tuple[tuple, list[Tensor]] | None = None
         # Forward ops linked to their autograd node by its sequence number (training.py, "backward -> forward").
         self.node_ops: dict[int, int] = {}
-        self.tagged_nodes: set[int] = (
-            set()
-        )  # sequence numbers of the nodes tagged in metadata (training.tag_node)
+        # The sequence numbers of the nodes tagged in their metadata (training.tag_node).
+        self.tagged_nodes: set[int] = set()
         self.seq_floor = _node_seq_now()
         self.training = TrainingState(self, save_grads=save_grads, stats=stats)
         self.phases = PhaseTracker(self)

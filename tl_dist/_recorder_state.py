@@ -39,9 +39,8 @@ class RecorderState(Protocol):
     rows: list[tuple]
     pending: tuple[tuple, list[torch.Tensor]] | None  # the last op's link (token, index, ...) and outputs
     node_ops: dict[int, int]  # autograd node sequence number -> the forward op that made the node
-    tagged_nodes: set[
-        int
-    ]  # sequence numbers of nodes tagged in their metadata (a superset: threads share them)
+    # Sequence numbers of nodes tagged in their metadata (a superset: another thread's node may share one).
+    tagged_nodes: set[int]
     seq_floor: int  # the autograd sequence counter when the window opened: lower numbers are not its ops'
     output_of: dict[int, list[str]]  # op index -> modules whose output it produced
     locate: SourceLocator | None

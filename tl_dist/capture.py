@@ -33,6 +33,8 @@ from .schema import OP_FIELDS, field_names, module_name
 from .trace import PendingColumns, Trace
 
 _OPTION_NAMES = ("save", "save_grads", "stats", "source", "keep_graph", "intervene")
+_LABEL = field_names(OP_FIELDS).index("label")
+_DEVICE = field_names(OP_FIELDS).index("device")
 
 
 def resolve_options(
@@ -339,22 +341,20 @@ class Capture:
 
 def _first_cuda_device(rec: Recorder) -> str | None:
     """The first CUDA device an op of the window ran on (its rows' device field), None if none did."""
-    device = field_names(OP_FIELDS).index("device")
-    return next((row[device] for row in rec.rows if row[device].startswith("cuda")), None)
+    return next((row[_DEVICE] for row in rec.rows if row[_DEVICE].startswith("cuda")), None)
 
 
 def _drop_freed(saved: dict[int, list], grads: dict[int, list], rows: list[tuple]) -> None:
     """Forgets saved outputs and gradients whose memory was freed during the window (FSDP's unsharded
     parameters, :func:`has_its_bytes`): their values are gone, and reading them would crash the process."""
     lost = []
-    label = field_names(OP_FIELDS).index("label")
     with torch._C._DisableTorchDispatch():
         for kept in (saved, grads):
             for index, outs in kept.items():
                 for pos, t in enumerate(outs):
                     if t is not None and not has_its_bytes(t):
                         outs[pos] = None
-                        lost.append(rows[index][label])
+                        lost.append(rows[index][_LABEL])
     if lost:
         warnings.warn(
             f"{len(lost)} saved tensor(s) were freed before the window ended and are not kept: "

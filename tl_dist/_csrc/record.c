@@ -422,35 +422,37 @@ static PyObject *
 backward_link(FastOp *self)
 {
     PyObject *node = PyObject_CallNoArgs(g_current_node);
-    if (node == NULL)
-        return NULL;
-    long fwd = -1;
-    PyObject *number = node == Py_None ? NULL : PyObject_CallMethodNoArgs(node, s_sequence_nr);
-    int tagged = number == NULL ? 0 : PySet_Contains(self->tagged_nodes, number);
-    if (tagged > 0) {
+    if (node == NULL || node == Py_None) {
+        Py_XDECREF(node);
+        return node == NULL ? NULL : PyLong_FromLong(-1);
+    }
+    PyObject *fwd = NULL, *link = NULL;
+    PyObject *number = PyObject_CallMethodNoArgs(node, s_sequence_nr);
+    int tagged = number == NULL ? -1 : PySet_Contains(self->tagged_nodes, number);
+    if (tagged < 0)
+        goto done;
+    if (tagged) {
         PyObject *meta = PyObject_GetAttr(node, s_metadata);
-        PyObject *link = meta != NULL && PyDict_Check(meta) ? Py_XNewRef(PyDict_GetItemWithError(meta, g_tag)) : NULL;
-        Py_XDECREF(meta);
+        if (meta == NULL)
+            goto done;
+        link = PyDict_Check(meta) ? Py_XNewRef(PyDict_GetItemWithError(meta, g_tag)) : NULL;
+        Py_DECREF(meta);
+        if (link == NULL && PyErr_Occurred())
+            goto done;
         if (link != NULL && PyTuple_Check(link) && PyTuple_GET_SIZE(link) >= 2 &&
             PyTuple_GET_ITEM(link, 0) == self->token) {
-            fwd = PyLong_AsLong(PyTuple_GET_ITEM(link, 1));
-            tagged = 2; /* found */
+            fwd = Py_NewRef(PyTuple_GET_ITEM(link, 1));
+            goto done;
         }
-        Py_XDECREF(link);
-        if (meta == NULL || PyErr_Occurred())
-            tagged = -1;
     }
-    if (tagged >= 0 && tagged != 2 && number != NULL) {
-        PyObject *op = PyDict_GetItemWithError(self->node_ops, number);
-        if (op != NULL)
-            fwd = PyLong_AsLong(op);
-        else if (PyErr_Occurred())
-            tagged = -1;
-    }
-    int failed = tagged < 0 || (node != Py_None && number == NULL) || (fwd == -1 && PyErr_Occurred());
+    fwd = Py_XNewRef(PyDict_GetItemWithError(self->node_ops, number));
+    if (fwd == NULL && !PyErr_Occurred())
+        fwd = PyLong_FromLong(-1);
+done:
+    Py_XDECREF(link);
     Py_XDECREF(number);
     Py_DECREF(node);
-    return failed ? NULL : PyLong_FromLong(fwd);
+    return fwd;
 }
 
 static PyObject *

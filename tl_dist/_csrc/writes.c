@@ -83,6 +83,16 @@ add_span(FastOp *self, unsigned long long lo, unsigned long long hi)
     return 0;
 }
 
+/* Adds the span of a logged storage: its address `key` (an int) and its size. */
+static int
+add_storage_span(FastOp *self, PyObject *key, long long nbytes)
+{
+    unsigned long long address = PyLong_AsUnsignedLongLong(key);
+    if (address == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    return add_span(self, address, address + (unsigned long long)nbytes);
+}
+
 /* Makes the spans again from rec._written_storage when Python's write log moved since they were made. */
 static int
 spans_current(FastOp *self)
@@ -103,9 +113,9 @@ spans_current(FastOp *self)
             continue;
         long long nbytes;
         PyObject *address = storage_address(storage, &nbytes);
-        unsigned long long lo = address == NULL ? 0 : PyLong_AsUnsignedLongLong(address);
+        int rc = address == NULL ? (PyErr_Occurred() ? -1 : 0) : add_storage_span(self, address, nbytes);
         Py_XDECREF(address);
-        if (PyErr_Occurred() || (address != NULL && add_span(self, lo, lo + (unsigned long long)nbytes) < 0))
+        if (rc < 0)
             return -1;
     }
     self->spans_generation = generation;
@@ -242,11 +252,7 @@ note_writes(FastOp *self, PyObject *index, PyObject *written)
         PyObject *key = storage_address(storage, &nbytes);
         int rc = key == NULL ? (PyErr_Occurred() ? -1 : 0) : byte_extent(t, storage, &lo, &hi);
         if (rc == 0 && key != NULL && hi > lo) {
-            unsigned long long address = PyLong_AsUnsignedLongLong(key);
-            rc = PyErr_Occurred() || add_span(self, address, address + (unsigned long long)nbytes) < 0 ? -1 : 0;
-        }
-        if (rc == 0 && key != NULL && hi > lo) {
-            PyObject *entry = Py_BuildValue("(OLL)", index, lo, hi);
+            PyObject *entry = add_storage_span(self, key, nbytes) < 0 ? NULL : Py_BuildValue("(OLL)", index, lo, hi);
             int same = entry == NULL ? -1 : same_storage(self, key, storage);
             if (same == 1) {
                 PyObject *entries = PyDict_GetItemWithError(self->writes, key);
