@@ -302,9 +302,8 @@ class Trace:
             if pending is None:
                 return self._columns
             columns = pending.make()
-            if (
-                len(columns["index"]) > pending.n_ops
-            ):  # rows added since (log_backward on the trace it came from)
+            # rows added since (log_backward on the trace it came from) are not this trace's
+            if len(columns["index"]) > pending.n_ops:
                 columns = {name: values[: pending.n_ops] for name, values in columns.items()}
             self._columns, self._pending = columns, None
         return columns

@@ -59,7 +59,7 @@ fastop_columns(PyObject *module, PyObject *args)
                 Py_INCREF(value);
             }
             /* a list holding no tracked object is in no reference cycle while it holds none */
-            holds_container[f] |= PyType_IS_GC(Py_TYPE(value)) && PyObject_GC_IsTracked(value);
+            holds_container[f] |= PyObject_GC_IsTracked(value); /* 0 for a type the GC never tracks */
             PyList_SET_ITEM(PyList_GET_ITEM(columns, f), k, value);
         }
     }
