@@ -467,7 +467,9 @@ def test_windows_leave_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
         gc.collect()
         return sys.getallocatedblocks()
 
-    windows(50)
+    # Blocks still grow over the first ~250 windows (CPython's free lists and the path's caches filling up;
+    # after 50 windows the next 200 added 340-530 here, on the tree before and after), then stop.
+    windows(250)
     before = windows(1)
     assert windows(200) - before < 2 * 200
 
