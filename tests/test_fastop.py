@@ -413,6 +413,46 @@ def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch
         gc.enable()
 
 
+class _Doubled(torch.autograd.Function):
+    """x * 2, whose backward runs an op inside its own autograd node and notes the node's context."""
+
+    contexts: list[weakref.ref] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        _Doubled.contexts.append(weakref.ref(ctx))
+        return grad * 2
+
+
+@needs_extension
+def test_a_closed_window_keeps_no_autograd_node_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled path remembers the node the last backward op ran in; a window ending in backward (no op after
+    # it) must let that node go when it closes, not when the capture object does.
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
+    _Doubled.contexts.clear()
+    x = torch.randn(3, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        with tl.capture() as cap:
+            y = _Doubled.apply(x + 1)
+            (grad,) = torch.autograd.grad(y.sum(), x)  # the last node to run is _Doubled's: no AccumulateGrad
+        del y
+        assert torch.equal(grad, torch.full((3,), 2.0))
+        columns = cap.trace.columns
+        assert list(zip(columns["label"], columns["phase"]))[-1] == (
+            "mul_2",
+            "backward",
+        )  # grad * 2, in its node
+        assert len(_Doubled.contexts) == 1 and _Doubled.contexts[0]() is None
+    finally:
+        gc.enable()
+
+
 @needs_extension
 def test_windows_that_need_python_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1")

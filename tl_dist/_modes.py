@@ -33,11 +33,18 @@ class CaptureMode(TorchDispatchMode):
     def __init__(self, recorder: RecorderState) -> None:
         super().__init__()
         self._on_op = recorder.on_op
-        dispatch = compiled_dispatch(recorder, self)
+        dispatch = self._compiled = compiled_dispatch(recorder, self)
         if dispatch is not None:  # torch calls an instance's own __torch_dispatch__ before the class's
             self.__torch_dispatch__ = dispatch
         # Marked again at every window: torch._dynamo.reset() may drop what was set on the code objects.
         hidden_from_dynamo(CaptureMode.__torch_dispatch__, SubclassMode.__torch_dispatch__)
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            if self._compiled is not None:
+                self._compiled.close()  # the autograd node it kept between two backward ops goes now
 
     @contextlib.contextmanager
     def redirected(self, on_op: Any) -> Iterator[None]:

@@ -140,6 +140,13 @@ restore_label(FastOp *self, PyObject *name, long n)
     PyErr_Restore(type, value, tb);
 }
 
+static void
+forget_node(FastOp *self)
+{
+    Py_CLEAR(self->last_node);
+    Py_CLEAR(self->last_fwd);
+}
+
 /* fast(func, types, args=(), kwargs=None): the mode's __torch_dispatch__. */
 static PyObject *
 fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
@@ -264,6 +271,8 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     long task_id = PyLong_AsLong(task);
     if (task_id == -1 && PyErr_Occurred())
         goto cleanup;
+    if (task_id == -1 && self->last_node != NULL)
+        forget_node(self); /* the backward pass is over: its node is not kept alive */
     PyObject *grad = PyObject_CallNoArgs(g_grad_enabled); /* an op cannot change it: read once */
     if (grad == NULL)
         goto cleanup;
@@ -571,7 +580,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(storage_refs) X(save_op) X(before_write) X(node_ops) X(tagged_nodes)
+    X(storage_refs) X(save_op) X(before_write) X(node_ops) X(tagged_nodes) X(last_node) X(last_fwd)
 
 static int
 fastop_clear(FastOp *self)
@@ -616,6 +625,19 @@ fastop_running(FastOp *self, void *closure)
     return Py_NewRef(self->running == NULL ? Py_None : self->running);
 }
 
+static PyObject *
+fastop_close(FastOp *self, PyObject *unused)
+{
+    forget_node(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fastop_methods[] = {
+    {"close", (PyCFunction)fastop_close, METH_NOARGS,
+     PyDoc_STR("close(): the window has closed; drops what was kept from one op to the next (an autograd node).")},
+    {NULL},
+};
+
 static PyGetSetDef fastop_getset[] = {
     {"__self__", (getter)fastop_self, NULL, PyDoc_STR("the mode this dispatches for"), NULL},
     {"running", (getter)fastop_running, NULL, PyDoc_STR("the OpInfo of the op running now, or None"), NULL},
@@ -627,6 +649,7 @@ static PyTypeObject FastOpType = {
     .tp_doc = PyDoc_STR("FastOp(recorder, mode): mode's __torch_dispatch__ for recorder, compiled."),
     .tp_call = fastop_call,
     .tp_getset = fastop_getset,
+    .tp_methods = fastop_methods,
     .tp_basicsize = sizeof(FastOp),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,

@@ -73,6 +73,7 @@ typedef struct {
     PyObject *in_flight, *out_stats, *arrived; /* training's collectives awaiting their statistics */
     PyObject *node_ops;         /* rec.node_ops: autograd node sequence number -> forward op */
     PyObject *tagged_nodes;     /* rec.tagged_nodes: the numbers of nodes tagged in their metadata */
+    PyObject *last_node, *last_fwd; /* the autograd node the last backward op ran in, and its forward op */
     long long seq_floor;        /* rec.seq_floor: the counter when the window opened */
     PyObject *running;          /* borrowed: the OpInfo of the op running now (a post-mortem names it), or NULL */
     struct span *written_spans; /* writes.c: where in memory the logged storages lie, sorted, disjoint */

@@ -417,7 +417,8 @@ any_base(PyObject *written)
 
 /* training.backward_link: the forward op whose autograd node is running now, -1 when unknown: the node's tag
  * of this window where its number is a tagged node's (rec.tagged_nodes), else its sequence number among the
- * forward ops' nodes (rec.node_ops). */
+ * forward ops' nodes (rec.node_ops). A node runs several ops in a row (mm's backward: two mm and their t):
+ * the last node's answer is kept with the node, which the reference keeps from being another's. */
 static PyObject *
 backward_link(FastOp *self)
 {
@@ -425,6 +426,10 @@ backward_link(FastOp *self)
     if (node == NULL || node == Py_None) {
         Py_XDECREF(node);
         return node == NULL ? NULL : PyLong_FromLong(-1);
+    }
+    if (node == self->last_node) {
+        Py_DECREF(node);
+        return Py_NewRef(self->last_fwd);
     }
     PyObject *fwd = NULL, *link = NULL;
     PyObject *number = PyObject_CallMethodNoArgs(node, s_sequence_nr);
@@ -451,7 +456,12 @@ backward_link(FastOp *self)
 done:
     Py_XDECREF(link);
     Py_XDECREF(number);
-    Py_DECREF(node);
+    if (fwd != NULL) {
+        Py_XSETREF(self->last_node, node); /* the reference is the cache's now */
+        Py_XSETREF(self->last_fwd, Py_NewRef(fwd));
+    } else {
+        Py_DECREF(node);
+    }
     return fwd;
 }
 
