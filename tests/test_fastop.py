@@ -413,6 +413,26 @@ def test_compiled_path_leaves_no_reference_cycle(monkeypatch: pytest.MonkeyPatch
         gc.enable()
 
 
+@needs_extension
+def test_shapes_are_exact_and_equal_shapes_are_one_tuple(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled path gives equal shapes one tuple (a bounded cache): with more distinct shapes than it
+    # holds, each recorded shape must still be the tensor's own.
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
+    sizes = [(i % 7 + 1, i // 7 + 1) for i in range(6000)] + [(), (1,) * 9, (2, 0, 3)]
+    with tl.capture() as cap:
+        made = [torch.zeros(size) for size in sizes]
+        summed = made[5] + made[12]  # (6, 1) and (6, 2): broadcast to (6, 2)
+        again = torch.zeros(6, 2)
+    columns = cap.trace.columns
+    assert columns["out_shapes"][: len(sizes)] == [(size,) for size in sizes]
+    assert [tuple(t.shape) for t in made] == sizes
+    add = columns["func"].index("add")
+    assert columns["in_shapes"][add] == ((6, 1), (6, 2)) and columns["out_shapes"][add] == ((6, 2),)
+    assert tuple(summed.shape) == tuple(again.shape) == (6, 2)
+    assert columns["out_shapes"][add][0] is columns["in_shapes"][add][1] is columns["out_shapes"][-1][0]
+    assert columns["out_shapes"][add] is columns["out_shapes"][-1]
+
+
 class _Doubled(torch.autograd.Function):
     """x * 2, whose backward runs an op inside its own autograd node and notes the node's context."""
 

@@ -112,10 +112,17 @@ def hidden_from_dynamo(*functions: Any) -> None:
     """
     if "torch._dynamo" not in sys.modules:
         return
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    if not _SKIP:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
+        _SKIP.append((set_code_exec_strategy, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)))
+    mark, skip = _SKIP[0]
     for fn in functions:
-        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+        mark(fn.__code__, skip)
+
+
+# (set_code_exec_strategy, the SKIP strategy): looked up once, where a window marks ~25 functions.
+_SKIP: list[tuple[Any, Any]] = []
 
 
 class ModuleTracker:

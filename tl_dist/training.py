@@ -400,6 +400,8 @@ class TrainingState:
         node = leaf.grad_fn
         if node is None:
             return
+        if not self.hooks_on and self.rec.node_ops.get(node._sequence_nr()) == tag[1]:
+            return  # its op made it: backward_link finds it by number, with no metadata made on the node
         meta = node.metadata
         old = meta.get(_KEY)
         if old is not None and old[0] is tag[0]:

@@ -3,6 +3,7 @@
  * names in tl_dist/_recorder.py, tl_dist/training.py or tl_dist/_opinfo.py. */
 #include "fastop.h"
 
+#include <string.h>
 #include <time.h>
 
 int
@@ -465,17 +466,82 @@ done:
     return fwd;
 }
 
+/* Shapes as tuples, each met before given as the same tuple (process-wide, direct-mapped, bounded): a step's
+ * shapes repeat, every layer and every step, so an op's input and output shapes cost a lookup rather than
+ * tuples made, and their window holds (and frees at close) one tuple per distinct shape rather than per op.
+ * A shape tuple of up to SHAPE_DIMS plain ints is kept with its values; a tuple of shapes with its items'
+ * addresses, each alive (the tuple holds it), so equal addresses are the same shapes. */
+#define SHAPE_SLOTS 4096
+#define SHAPE_DIMS 8
+static struct {
+    PyObject *tuple;
+    Py_ssize_t n;
+    long long dims[SHAPE_DIMS];
+} shape_cache[SHAPE_SLOTS];
+static struct {
+    PyObject *tuple;
+    Py_ssize_t n;
+    PyObject *items[SHAPE_DIMS];
+} shapes_cache[SHAPE_SLOTS];
+
+static size_t
+mix(size_t h, unsigned long long v)
+{
+    h ^= (size_t)(v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2));
+    return h;
+}
+
+/* tuple(size): the cached tuple of these values where there is one, else a new one (cached when plain). */
 static PyObject *
 shape_tuple(PyObject *t)
 {
     PyObject *size = tensor_get(t, T_SHAPE);
     if (size == NULL)
         return NULL;
-    PyObject *shape = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size);
+    if (!PyTuple_Check(size)) {
+        PyObject *shape = PySequence_Tuple(size);
+        Py_DECREF(size);
+        return untrack_atomic(shape);
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(size);
+    long long dims[SHAPE_DIMS];
+    int plain = n <= SHAPE_DIMS;
+    size_t h = (size_t)n;
+    for (Py_ssize_t i = 0; plain && i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(size, i);
+        int overflow = 0;
+        dims[i] = PyLong_CheckExact(d) ? PyLong_AsLongLongAndOverflow(d, &overflow) : -1;
+        plain = PyLong_CheckExact(d) && !overflow; /* a SymInt (a traced shape) is not cached */
+        h = mix(h, (unsigned long long)dims[i]);
+    }
+    size_t slot = h % SHAPE_SLOTS;
+    if (plain && shape_cache[slot].tuple != NULL && shape_cache[slot].n == n &&
+        memcmp(shape_cache[slot].dims, dims, (size_t)n * sizeof(long long)) == 0) {
+        Py_DECREF(size);
+        return Py_NewRef(shape_cache[slot].tuple);
+    }
+    PyObject *shape = untrack_atomic(PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX));
     Py_DECREF(size);
-    if (shape != NULL)
-        untrack_atomic(shape);
+    if (shape != NULL && plain) {
+        Py_XSETREF(shape_cache[slot].tuple, Py_NewRef(shape));
+        shape_cache[slot].n = n;
+        memcpy(shape_cache[slot].dims, dims, (size_t)n * sizeof(long long));
+    }
     return shape;
+}
+
+/* The cached tuple of these shapes (shapes[0..n)), or NULL without an error when there is none. */
+static PyObject *
+cached_shapes(PyObject **shapes, Py_ssize_t n, size_t *slot)
+{
+    size_t h = (size_t)n + 1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        h = mix(h, (unsigned long long)(size_t)shapes[i]);
+    *slot = h % SHAPE_SLOTS;
+    if (shapes_cache[*slot].tuple == NULL || shapes_cache[*slot].n != n ||
+        memcmp(shapes_cache[*slot].items, shapes, (size_t)n * sizeof(PyObject *)) != 0)
+        return NULL;
+    return Py_NewRef(shapes_cache[*slot].tuple);
 }
 
 /* tuple(tuple(t.shape) for t in tensors); falls back to shape_of for every tensor (nested tensors have
@@ -484,6 +550,33 @@ PyObject *
 shapes_of(PyObject *tensors, int fallback)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors); /* a list or a tuple */
+    PyObject *found[SHAPE_DIMS];
+    int cacheable = !fallback && n <= SHAPE_DIMS;
+    if (cacheable) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if ((found[i] = shape_tuple(PySequence_Fast_GET_ITEM(tensors, i))) == NULL) {
+                while (i > 0)
+                    Py_DECREF(found[--i]);
+                return NULL;
+            }
+        }
+        size_t slot;
+        PyObject *shapes = cached_shapes(found, n, &slot);
+        if (shapes == NULL) {
+            shapes = PyTuple_New(n);
+            if (shapes != NULL) {
+                memcpy(((PyTupleObject *)shapes)->ob_item, found, (size_t)n * sizeof(PyObject *)); /* stolen */
+                untrack_atomic(shapes);
+                Py_XSETREF(shapes_cache[slot].tuple, Py_NewRef(shapes));
+                shapes_cache[slot].n = n;
+                memcpy(shapes_cache[slot].items, found, (size_t)n * sizeof(PyObject *));
+                return shapes;
+            }
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_DECREF(found[i]);
+        return shapes;
+    }
     PyObject *shapes = PyTuple_New(n);
     if (shapes == NULL)
         return NULL;
