@@ -4,8 +4,8 @@ instead, an armed training loop against a plain one, and the cost of closing a w
 Everything is measured in this process, interleaved, and printed as ratios to the plain run of the same round
 (medians over rounds, and the min):
 
-1. Step (forward + backward + SGD) of the ResNet-18-like model and the 4-layer transformer, modes rotated
-   within each round: ``plain``; ``floor`` (a pass-through TorchDispatchMode, without torch's per-op Dynamo
+1. Step (forward + backward + SGD) of the ResNet-18-like model and the 4-layer transformer, the modes in a
+   carryover-balanced order in each round (``orders.py``: over 10 rounds each mode follows each other twice): ``plain``; ``floor`` (a pass-through TorchDispatchMode, without torch's per-op Dynamo
    wrapper as tl_dist's mode: the least any dispatcher-level tracer costs); ``window`` (``tl.capture()``:
    per-op timing, FLOPs, phases, modules; nothing saved); ``stats`` (``tl.capture(stats=True)``: the same plus
    each output's statistics); ``profiler`` (``torch.profiler`` with ``record_shapes=True, with_flops=True`` plus ``key_averages()``).
@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import heap  # noqa: E402
 from models import ResNet18, transformer  # noqa: E402
+from orders import balanced_orders  # noqa: E402
 
 import tl_dist as tl  # noqa: E402
 
@@ -115,9 +116,9 @@ def part_step(rounds: int) -> None:
             _run(mode, *runs[mode], x)
             _run(mode, *runs[mode], x)
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        orders = balanced_orders(MODES)  # each mode after each other equally often (orders.py)
         for r in range(rounds):
-            order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]  # rotate: no mode always goes first
-            for mode in order:
+            for mode in orders[r % len(orders)]:
                 times[mode].append(_run(mode, *runs[mode], x))
         ratio = {m: [t / p for t, p in zip(times[m], times["plain"])] for m in MODES}
         over_floor = [w / f for w, f in zip(times["window"], times["floor"])]

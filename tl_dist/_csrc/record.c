@@ -471,7 +471,7 @@ done:
  * tuples made, and their window holds (and frees at close) one tuple per distinct shape rather than per op.
  * A shape tuple of up to SHAPE_DIMS plain ints is kept with its values; a tuple of shapes with its items'
  * addresses, each alive (the tuple holds it), so equal addresses are the same shapes. */
-#define SHAPE_SLOTS 4096
+#define SHAPE_SLOTS 1024
 #define SHAPE_DIMS 8
 static struct {
     PyObject *tuple;
