@@ -470,9 +470,11 @@ done:
  * shapes repeat, every layer and every step, so an op's input and output shapes cost a lookup rather than
  * tuples made, and their window holds (and frees at close) one tuple per distinct shape rather than per op.
  * A shape tuple of up to SHAPE_DIMS plain ints is kept with its values; a tuple of shapes with its items'
- * addresses, each alive (the tuple holds it), so equal addresses are the same shapes. */
+ * addresses, each alive (the tuple holds it), so equal addresses are the same shapes. The GIL guards both
+ * tables (the extension is built for a CPython with one). */
 #define SHAPE_SLOTS 1024
-#define SHAPE_DIMS 8
+#define SHAPE_DIMS 8   /* the most dimensions of a cached shape */
+#define SHAPES_ITEMS 8 /* the most tensors of a cached tuple of shapes */
 static struct {
     PyObject *tuple;
     Py_ssize_t n;
@@ -481,7 +483,7 @@ static struct {
 static struct {
     PyObject *tuple;
     Py_ssize_t n;
-    PyObject *items[SHAPE_DIMS];
+    PyObject *items[SHAPES_ITEMS];
 } shapes_cache[SHAPE_SLOTS];
 
 static size_t
@@ -550,8 +552,8 @@ PyObject *
 shapes_of(PyObject *tensors, int fallback)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors); /* a list or a tuple */
-    PyObject *found[SHAPE_DIMS];
-    int cacheable = !fallback && n <= SHAPE_DIMS;
+    PyObject *found[SHAPES_ITEMS];
+    int cacheable = !fallback && n <= SHAPES_ITEMS;
     if (cacheable) {
         for (Py_ssize_t i = 0; i < n; i++) {
             if ((found[i] = shape_tuple(PySequence_Fast_GET_ITEM(tensors, i))) == NULL) {
