@@ -5,8 +5,9 @@ Everything is measured in this process, interleaved, and printed as ratios to th
 (medians over rounds, and the min):
 
 1. Step (forward + backward + SGD) of the ResNet-18-like model and the 4-layer transformer, the modes in a
-   carryover-balanced order in each round (``orders.py``: over 10 rounds each mode follows each other twice): ``plain``; ``floor`` (a pass-through TorchDispatchMode, without torch's per-op Dynamo
-   wrapper as tl_dist's mode: the least any dispatcher-level tracer costs); ``window`` (``tl.capture()``:
+   carryover-balanced order in each round (``orders.py``: over 10 rounds each mode follows each other twice):
+   ``plain``; ``floor`` (a pass-through TorchDispatchMode, without torch's per-op Dynamo wrapper as tl_dist's
+   mode: the least any dispatcher-level tracer costs); ``window`` (``tl.capture()``:
    per-op timing, FLOPs, phases, modules; nothing saved); ``stats`` (``tl.capture(stats=True)``: the same plus
    each output's statistics); ``profiler`` (``torch.profiler`` with ``record_shapes=True, with_flops=True`` plus ``key_averages()``).
    Targets: window <= 1.05x of the floor, and below the profiler; stats <= 1.5x the window.

@@ -464,10 +464,8 @@ def test_a_closed_window_keeps_no_autograd_node_alive(monkeypatch: pytest.Monkey
         del y
         assert torch.equal(grad, torch.full((3,), 2.0))
         columns = cap.trace.columns
-        assert list(zip(columns["label"], columns["phase"]))[-1] == (
-            "mul_2",
-            "backward",
-        )  # grad * 2, in its node
+        # the last op is grad * 2, run inside _Doubled's node
+        assert list(zip(columns["label"], columns["phase"]))[-1] == ("mul_2", "backward")
         assert len(_Doubled.contexts) == 1 and _Doubled.contexts[0]() is None
     finally:
         gc.enable()

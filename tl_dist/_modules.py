@@ -14,6 +14,7 @@ Each call of a module becomes a row of the module-call table (schema.MODULE_CALL
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import warnings
@@ -112,17 +113,17 @@ def hidden_from_dynamo(*functions: Any) -> None:
     """
     if "torch._dynamo" not in sys.modules:
         return
-    if not _SKIP:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-
-        _SKIP.append((set_code_exec_strategy, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)))
-    mark, skip = _SKIP[0]
+    mark, skip = _skip_marker()
     for fn in functions:
         mark(fn.__code__, skip)
 
 
-# (set_code_exec_strategy, the SKIP strategy): looked up once, where a window marks ~25 functions.
-_SKIP: list[tuple[Any, Any]] = []
+@functools.cache
+def _skip_marker() -> tuple[Any, Any]:
+    """(set_code_exec_strategy, the SKIP strategy): looked up once, where a window marks ~25 functions."""
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    return set_code_exec_strategy, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
 
 
 class ModuleTracker:
