@@ -3,7 +3,8 @@
 Each workload runs twice from the same seed, once with every op in Python (``TL_DIST_PURE_PYTHON=1``) and
 once with the compiled path, and every column of the op table but the clock readings must be equal: labels,
 kinds, phases, modules, backward links, shapes, dtypes, bytes, parents, FLOPs, sources, parameters. The
-module table and a failing op's record must be equal too.
+module table (the compiled module hooks' and source walk's, ``_csrc/modules.c`` and ``source.c``), each
+call's output structure and a failing op's record must be equal too.
 """
 
 from __future__ import annotations
@@ -55,9 +56,16 @@ def _assert_same(monkeypatch: pytest.MonkeyPatch, run, **options) -> tl.Trace:  
     starts = fast.columns["start_ns"]
     assert starts == sorted(starts), "ops are timed in the order they ran"
     assert fast.module_table == pure.module_table
+    assert fast.output_of == pure.output_of  # which modules each op's output left
+    assert _tree_shapes(fast) == _tree_shapes(pure)
     assert fast.stats_table == pure.stats_table
     _assert_same_saved(fast, pure, again)
     return fast
+
+
+def _tree_shapes(trace: tl.Trace) -> dict:
+    """Each module call's output structure: its pytree spec, and which leaves no op made (kept as they are)."""
+    return {row: (spec, [leaf is None for leaf in leaves]) for row, (spec, leaves) in trace.out_trees.items()}
 
 
 def _same_tensors(a: list, b: list) -> bool:

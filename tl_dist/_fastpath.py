@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
-from ._modules import hidden_from_dynamo
+from ._modules import CLASS_FACTS, LEAF_SPEC, hidden_from_dynamo
 from ._opinfo import flop_count, op_info
 from ._phases import SPECIAL, accumulating_param
-from .schema import OP_FIELDS, field_names
+from ._source import _CODE_KINDS, _SOURCE_NAMES, code_kind
+from .schema import MODULE_CALL_FIELDS, OP_FIELDS, field_names
 from .training import _KEY
 
 try:
@@ -81,6 +82,19 @@ def untrack_rows(rows: list[tuple]) -> None:
         _fastop.untrack_rows(rows)
 
 
+def module_hooks() -> tuple[Any, Any] | None:
+    """``(module_pre, module_post)``: the common case of ``ModuleTracker``'s two global hooks in C
+    (``_csrc/modules.c``), or None where every module call takes the Python hooks (as every op, then, takes
+    ``Recorder.on_op``).
+
+    Example:
+        >>> ModuleTracker(recorder, roots, compiled_hooks=module_hooks())
+    """
+    if not available():
+        return None
+    return _fastop.module_pre, _fastop.module_post
+
+
 def compiled_dispatch(recorder: Any, mode: Any) -> Any:
     """A ``__torch_dispatch__`` for ``mode`` that records into ``recorder`` in C, or None if this window needs
     Python. It holds the recorder and only a weak reference to the mode, so the window's objects stay free of
@@ -103,7 +117,7 @@ def _called_from_c(recorder: Any) -> list[Any]:
     called += [recorder._save_op, recorder._save, recorder.watch, recorder._before_write]
     called += [recorder.phases.special, modules.recomputed, modules.owner_of]
     if recorder.locate is not None:
-        called.append(type(recorder.locate).__call__)
+        called += [type(recorder.locate).__call__, code_kind]
     return called
 
 
@@ -133,6 +147,10 @@ if _fastop is not None:
     )
     try:
         _fastop.configure(**CONFIG)
+        _fastop.configure_modules(
+            leaf_spec=LEAF_SPEC, class_facts=CLASS_FACTS, call_fields=field_names(MODULE_CALL_FIELDS)
+        )
+        _fastop.configure_source(code_kinds=_CODE_KINDS, source_names=_SOURCE_NAMES, code_kind=code_kind)
     except (TypeError, ValueError) as exc:  # built from other sources than these (a stale in-place build)
         warnings.warn(
             f"tl_dist: the compiled per-op path does not match this tl_dist ({exc}); every op is recorded in "

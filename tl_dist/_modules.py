@@ -29,7 +29,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 from ._common import TAG, TORCH_DIR
 from .schema import MODULE_CALL_FIELDS, empty_columns
 
-_LEAF_SPEC = tree_flatten(torch.empty(0))[1]
+LEAF_SPEC = tree_flatten(torch.empty(0))[1]
 _CHECKPOINT_FILE = TORCH_DIR + "utils/checkpoint.py"  # torch.utils.checkpoint, found on the Python stack
 # torch warns at a compiled module's call while global module hooks exist that they fire for its wrapper too;
 # the tracker's own hooks count the wrapper and the module it wraps as one call, so the warning (about hooks
@@ -57,7 +57,7 @@ def _flatten(output: Any) -> tuple[list, Any]:
     tuple of tensors and Nones (``nn.MultiheadAttention``'s ``(out, None)``), whose spec depends only on its
     length."""
     if isinstance(output, torch.Tensor) and type(output) not in SUPPORTED_NODES:
-        return [output], _LEAF_SPEC
+        return [output], LEAF_SPEC
     if type(output) is tuple and all(
         v is None or (isinstance(v, torch.Tensor) and type(v) not in SUPPORTED_NODES) for v in output
     ):
@@ -77,7 +77,7 @@ def _strip_compiled(name: str) -> str:
 
 # type -> (whether it is torch.compile's wrapper class, whether its forward is torch's own code): one lookup
 # per module call in the pre-hook.
-_CLASS_FACTS: dict[type, tuple[bool, bool]] = {}
+CLASS_FACTS: dict[type, tuple[bool, bool]] = {}
 
 
 def _class_facts(cls: type) -> tuple[bool, bool]:
@@ -85,11 +85,11 @@ def _class_facts(cls: type) -> tuple[bool, bool]:
     and whether its forward is torch's own code (nn.Linear, nn.MultiheadAttention, DDP), so no user frame can
     sit between its call and its ops: their source is the call site, found without walking the stack.
     NB: ops of a user hook registered on such a module are located at the module's call site too."""
-    facts = _CLASS_FACTS.get(cls)
+    facts = CLASS_FACTS.get(cls)
     if facts is None:
         code = getattr(getattr(cls, "forward", None), "__code__", None)
         builtin = code is not None and code.co_filename.startswith(TORCH_DIR)
-        facts = _CLASS_FACTS[cls] = (cls.__name__ == "OptimizedModule", builtin)
+        facts = CLASS_FACTS[cls] = (cls.__name__ == "OptimizedModule", builtin)
     return facts
 
 
@@ -131,7 +131,12 @@ class ModuleTracker:
 
     __slots__ = ("current", "__dict__", "__weakref__")  # read by every op: a slot (Recorder.__slots__)
 
-    def __init__(self, recorder: RecorderState, roots: list[tuple[str, torch.nn.Module]]) -> None:
+    def __init__(
+        self,
+        recorder: RecorderState,
+        roots: list[tuple[str, torch.nn.Module]],
+        compiled_hooks: tuple[Any, Any] | None = None,
+    ) -> None:
         self._recorder = weakref.proxy(recorder)  # the recorder owns this tracker: no reference cycle
         self.names: dict[int, str] = {}
         self.params: dict[int, str] = {}
@@ -164,6 +169,8 @@ class ModuleTracker:
         # The warnings filter install() added, which uninstall() removes.
         self._warning_filter: tuple | None = None
         self.edits: Any = None  # tl_dist._intervene.Interventions while a window has module-site edits
+        # _fastpath.module_hooks(): (module_pre, module_post), the common case of _pre and _post in C, or None.
+        self._compiled_hooks = compiled_hooks
 
     # -- naming -------------------------------------------------------------------------------------------
     def _add_root(self, root: torch.nn.Module, prefix: str) -> None:
@@ -253,6 +260,11 @@ class ModuleTracker:
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         if _compiling():
             return  # Dynamo tracing a module's call inlines the global hooks: nothing of ours in its graph
+        # The common case in C (_csrc/modules.c), after the test Dynamo must see before any call into C (which
+        # would break its graph); False: it changed nothing and left the call to the Python below.
+        compiled = self._compiled_hooks
+        if compiled is not None and compiled[0](self, module):
+            return
         in_engine = _graph_task_id() != -1
         if _get_ident() != self.thread and not in_engine:
             return  # another thread's module call: not part of this window
@@ -265,7 +277,7 @@ class ModuleTracker:
             if wrapper is not None and self._stack and self._stack[-1][0] == wrapper:
                 return  # the compiled wrapper's call, already open under the same address
         cls = type(module)
-        wrapper_class, builtin = _CLASS_FACTS.get(cls) or _class_facts(cls)
+        wrapper_class, builtin = CLASS_FACTS.get(cls) or _class_facts(cls)
         if wrapper_class and hasattr(module, "_orig_mod"):
             self.compiled_seen = True
             cls = type(module._orig_mod)  # the call's type, and whether it is torch's own class
@@ -311,6 +323,9 @@ class ModuleTracker:
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if _compiling():
+            return None
+        compiled = self._compiled_hooks
+        if compiled is not None and compiled[1](self, module, output):
             return None
         stack = self._stack
         key = id(module)

@@ -23,10 +23,34 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + "/"
 _TYPING_EXTENSIONS = getattr(sys.modules.get("typing_extensions"), "__file__", None)
 
 
-# Shared by all captures (code objects outlive them): code object -> SourceLocator._USER / _INTERNAL /
-# _MODULE_CALL, and (code, bytecode offset) -> "file:line".
+_USER, _INTERNAL, _MODULE_CALL = 0, 1, 2  # the kinds of code (the compiled walk, _csrc/source.c, reads them)
+# Shared by all captures and by the compiled walk (code objects outlive them): code object -> its kind, and
+# (code, bytecode offset) -> "file:line".
 _CODE_KINDS: dict[Any, int] = {}
 _SOURCE_NAMES: dict[tuple[Any, int], str] = {}
+
+
+def code_kind(code: Any) -> int:
+    """The kind of a code object: the user's (0), torch's, tl_dist's or the standard library's (1), or
+    ``nn.Module``'s call machinery (2); cached in ``_CODE_KINDS`` for every later frame of that code.
+
+    Example:
+        >>> code_kind(code_kind.__code__)
+        1
+    """
+    filename = code.co_filename
+    if filename == _MODULE_MACHINERY:
+        kind = _MODULE_CALL
+    elif (
+        filename.startswith(_INTERNAL_DIRS)
+        or filename == _TYPING_EXTENSIONS
+        or (filename.startswith(_STDLIB_DIR) and "-packages/" not in filename)
+    ):
+        kind = _INTERNAL
+    else:
+        kind = _USER
+    _CODE_KINDS[code] = kind
+    return kind
 
 
 class SourceLocator:
@@ -38,27 +62,10 @@ class SourceLocator:
     its innermost module (a few frames), however deeply modules nest.
     """
 
-    _USER, _INTERNAL, _MODULE_CALL = 0, 1, 2
-
     def __init__(self, modules: Any) -> None:  # the capture's _modules.ModuleTracker (its current_source)
         self._modules = weakref.proxy(modules)  # the recorder owns both: no reference cycle
         self._kinds = _CODE_KINDS
         self._names = _SOURCE_NAMES
-
-    def _kind(self, code: Any) -> int:
-        filename = code.co_filename
-        if filename == _MODULE_MACHINERY:
-            kind = self._MODULE_CALL
-        elif (
-            filename.startswith(_INTERNAL_DIRS)
-            or filename == _TYPING_EXTENSIONS
-            or (filename.startswith(_STDLIB_DIR) and "-packages/" not in filename)
-        ):
-            kind = self._INTERNAL
-        else:
-            kind = self._USER
-        self._kinds[code] = kind
-        return kind
 
     def _walk(self, frame: Any, enclosing: str) -> str:
         kinds = self._kinds
@@ -66,14 +73,14 @@ class SourceLocator:
             code = frame.f_code
             kind = kinds.get(code)
             if kind is None:
-                kind = self._kind(code)
-            if kind == 0:
+                kind = code_kind(code)
+            if kind == _USER:
                 key = (code, frame.f_lasti)
                 name = self._names.get(key)
                 if name is None:
                     name = self._names[key] = f"{code.co_filename}:{frame.f_lineno}"
                 return name
-            if kind == 2:
+            if kind == _MODULE_CALL:
                 return enclosing
             frame = frame.f_back
         return ""
@@ -97,7 +104,7 @@ class SourceLocator:
         kinds = self._kinds
         while frame is not None:  # step out of this call's own machinery frames
             kind = kinds.get(frame.f_code)
-            if (self._kind(frame.f_code) if kind is None else kind) != 2:
+            if (code_kind(frame.f_code) if kind is None else kind) != _MODULE_CALL:
                 break
             frame = frame.f_back
         return self._walk(frame, self._modules.current_source)

@@ -720,6 +720,14 @@ static PyMethodDef module_methods[] = {
      PyDoc_STR("configure(**objects): the torch and tl_dist objects the fast path calls (once, at import).")},
     {"columns", fastop_columns, METH_VARARGS,
      PyDoc_STR("columns(rows, width, shift_field, shift): the rows as `width` lists, `shift` added to one field.")},
+    {"configure_modules", (PyCFunction)(void (*)(void))fastop_configure_modules, METH_VARARGS | METH_KEYWORDS,
+     PyDoc_STR("configure_modules(**objects): what the module hooks share with tl_dist._modules (once).")},
+    {"configure_source", (PyCFunction)(void (*)(void))fastop_configure_source, METH_VARARGS | METH_KEYWORDS,
+     PyDoc_STR("configure_source(**objects): the caches the source walk shares with tl_dist._source (once).")},
+    {"module_pre", (PyCFunction)(void (*)(void))module_pre, METH_FASTCALL,
+     PyDoc_STR("module_pre(tracker, module) -> bool: ModuleTracker._pre's common case done; False: nothing done.")},
+    {"module_post", (PyCFunction)(void (*)(void))module_post, METH_FASTCALL,
+     PyDoc_STR("module_post(tracker, module, output) -> bool: ModuleTracker._post's common case done.")},
     {"untrack_rows", fastop_untrack_rows, METH_O,
      PyDoc_STR("untrack_rows(rows): a closed window's rows list off the cyclic GC's list (it is in no cycle).")},
     {NULL, NULL, 0, NULL},
@@ -776,7 +784,7 @@ PyInit__fastop(void)
     INTERN(s_sequence_nr, "_sequence_nr");
     if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL || (g_flop_memo = PyDict_New()) == NULL)
         return NULL;
-    if (PyType_Ready(&FastOpType) < 0)
+    if (init_module_hooks() < 0 || PyType_Ready(&FastOpType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&fastop_module);
     if (m == NULL)

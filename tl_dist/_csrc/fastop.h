@@ -1,6 +1,7 @@
 /* Shared by the parts of the compiled per-op path (tl_dist/_fastpath.py): record.c, what one op's row is made
  * of; fastop.c, the dispatch that builds it, the FastOp type and the module; writes.c, the in-place write log;
- * columns.c, the rows as columns. */
+ * columns.c, the rows as columns; modules.c, the module-call table's common case;
+ * source.c, the source field's walk over the Python frames. */
 #ifndef TL_DIST_FASTOP_H
 #define TL_DIST_FASTOP_H
 #define PY_SSIZE_T_CLEAN
@@ -126,4 +127,14 @@ int note_writes(FastOp *self, PyObject *index, PyObject *written);
 int add_writer(FastOp *self, PyObject *parents, PyObject *t, long since);
 void clear_spans(FastOp *self);
 
+/* modules.c: the common case of the module tracker's global hooks. */
+int init_module_hooks(void);
+PyObject * fastop_configure_modules(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject * module_pre(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject * module_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* source.c: the source field's walk over the Python frames (SourceLocator's, in C). */
+int source_configured(void);
+PyObject * fastop_configure_source(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject * op_source(PyObject *enclosing);
+PyObject * call_site_source(PyObject *enclosing);
 #endif

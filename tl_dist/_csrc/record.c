@@ -699,7 +699,21 @@ attr_name(PyObject *t, int which, PyObject *names, PyObject *fallback_fn)
 static PyObject *
 locate(FastOp *self)
 {
-    return self->locate == Py_None ? Py_NewRef(s_empty) : PyObject_CallNoArgs(self->locate);
+    if (self->locate == Py_None)
+        return Py_NewRef(s_empty);
+    if (!source_configured())
+        return PyObject_CallNoArgs(self->locate);
+    /* SourceLocator.__call__'s walk (source.c), which ends at the enclosing call's source: modules.current[4] */
+    PyObject *current = slot_get(self->modules, self->current_slot, s_current);
+    if (current == NULL)
+        return NULL;
+    PyObject *source = NULL;
+    if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 5)
+        PyErr_SetString(PyExc_TypeError, "tl_dist: ModuleTracker.current is (address, stack, call, builtin, source)");
+    else
+        source = op_source(PyTuple_GET_ITEM(current, 4));
+    Py_DECREF(current);
+    return source;
 }
 
 /* Recorder.on_op's source of a forward or optimizer op; builtin and current_source are the tracker's
