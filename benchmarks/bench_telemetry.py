@@ -4,7 +4,8 @@ instead, an armed training loop against a plain one, and the cost of closing a w
 Everything is measured in this process, interleaved, and printed as ratios to the plain run of the same round
 (medians over rounds, and the min):
 
-1. Step (forward + backward + SGD) of the ResNet-18-like model and the 4-layer transformer, the modes in a
+1. Step (forward + backward + SGD) of the ResNet-18-like model, the 4-layer transformer (torch's
+   ``nn.TransformerEncoder``) and a GPT-2-style decoder of user-code modules (``models.GPT``), the modes in a
    carryover-balanced order in each round (``orders.py``: over 10 rounds each mode follows each other twice):
    ``plain``; ``floor`` (a pass-through TorchDispatchMode, without torch's per-op Dynamo wrapper as tl_dist's
    mode: the least any dispatcher-level tracer costs); ``window`` (``tl.capture()``:
@@ -50,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import heap  # noqa: E402
-from models import ResNet18, transformer  # noqa: E402
+from models import GPT, ResNet18, transformer  # noqa: E402
 from orders import balanced_orders  # noqa: E402
 
 import tl_dist as tl  # noqa: E402
@@ -106,6 +107,7 @@ def part_step(rounds: int) -> None:
     workloads = {
         "resnet18": (ResNet18().train(), torch.randn(2, 3, 224, 224)),
         "transformer": (transformer().train(), torch.randn(4, 128, 256)),
+        "gpt": (GPT().train(), torch.randint(0, 1000, (4, 128))),
     }
     print("1. training step, ratio to the plain step of the same round (median, min)")
     for name, (model, x) in workloads.items():

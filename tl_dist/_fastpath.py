@@ -9,6 +9,11 @@ a write (``Recorder._before_write``) and, in a saving window, the selector and t
 (``Recorder._save_op``). Every other op runs ``Recorder.on_op``, which stays the reference:
 ``tests/test_fastop.py`` checks both give the same rows, saved tensors and replay records.
 
+The extension also does the common case of the module tracker's two global hooks (``_csrc/modules.c``: a
+named module's call on the window's thread, and a call returning one tensor) and the walk over the Python
+frames that finds an op's or a module call's ``source`` (``_csrc/source.c``); ``ModuleTracker._pre`` /
+``_post`` and ``SourceLocator`` stay the reference, and the whole path when ``TL_DIST_PURE_PYTHON=1``.
+
 Set ``TL_DIST_PURE_PYTHON=1`` to run every op in Python (read when a window opens).
 """
 

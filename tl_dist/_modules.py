@@ -7,6 +7,10 @@ Each call of a module becomes a row of the module-call table (schema.MODULE_CALL
   the autograd engine, whose device threads run checkpoint recomputation on GPUs.
 - A module called while the autograd engine runs is checkpoint recomputation: its ops take the address stack
   of the module's forward call, and no module-call row is added (the forward call already has one).
+- With the extension built, a call's common case is done in C (``_csrc/modules.c``, ``_fastpath.module_hooks``):
+  a named module on the window's thread, outside the autograd engine, with no compiled wrapper in the tree;
+  and at its end, when it is the innermost call open and returns one plain tensor. Every other call, and every
+  call with ``TL_DIST_PURE_PYTHON=1``, runs the Python below, which ``tests/test_fastop.py`` compares it to.
 - ``torch.compile``'d modules (``OptimizedModule``) are transparent: addresses lose the ``_orig_mod`` segment,
   and the wrapper's call is the call of the module it wraps (whose own hooks do not fire when it runs compiled;
   when they do -- eagerly, or resuming after a graph break -- that inner call is not counted twice).

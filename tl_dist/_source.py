@@ -1,6 +1,8 @@
 """Where in the user's code an op or module call comes from: the file:line ``source`` field.
 
-A leaf below the recorder (it imports only ``_common``), so the hot path and the module tracker share it.
+A leaf below the recorder (it imports only ``_common``), so the hot path and the module tracker share it. With the
+extension built, the same walk runs in C (``_csrc/source.c``, sharing this module's caches); this one is the
+reference, and the path with ``TL_DIST_PURE_PYTHON=1``.
 """
 
 from __future__ import annotations
