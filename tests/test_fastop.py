@@ -487,6 +487,57 @@ def test_windows_that_need_python_take_it(monkeypatch: pytest.MonkeyPatch) -> No
     assert "__torch_dispatch__" not in cap._mode.__dict__
 
 
+class _Block(nn.Module):  # user code between the module calls and the ops: both sources are walked
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x).tanh()
+        return y + x
+
+
+@needs_extension
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "python"])
+def test_module_calls_and_sources_of_the_common_case_run_no_python(
+    monkeypatch: pytest.MonkeyPatch, pure: bool
+) -> None:
+    # Equal tables would also come from a C half that always handed back to Python: count the Python that
+    # runs. The compiled window runs the Python hook body only for the root's first call (it names the tree)
+    # and walks frames in Python only there; the pure window does both for every call and op.
+    from tl_dist import _modules, _recorder, _source
+
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1" if pure else "0")
+    model = nn.Sequential(_Block(), _Block())
+    counts = {"address": 0, "module_output": 0, "walk": 0}
+
+    def counted(owner: type, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            counts[key] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    counted(_modules.ModuleTracker, "_address", "address")
+    counted(_recorder.Recorder, "module_output", "module_output")
+    counted(_source.SourceLocator, "_walk", "walk")
+    x = torch.randn(2, 4)
+    with tl.capture() as cap:
+        model(x)
+    calls = cap.trace.module_table
+    assert calls["address"] == ["", "0", "0.fc", "1", "1.fc"]
+    first = _Block.forward.__code__.co_firstlineno
+    # fc's ops at its call site and tanh there too, the add on the next line
+    assert set(cap.trace.columns["source"]) == {f"{__file__}:{first + 1}", f"{__file__}:{first + 2}"}
+    assert calls["source"][2::2] == [f"{__file__}:{first + 1}"] * 2
+    if pure:  # walks: the call sites of the root and each fc; each block's tanh, its output's detach, the add
+        assert counts == {"address": 1, "module_output": 5, "walk": 3 + 2 * 3}
+    else:  # only the root's call site, found by the Python hook that names the tree
+        assert counts == {"address": 1, "module_output": 0, "walk": 1}
+
+
 @needs_extension
 def test_a_schema_the_extension_cannot_fill_is_refused_whole() -> None:
     names = _fastpath.CONFIG["row_fields"]
