@@ -509,7 +509,7 @@ def test_module_calls_and_sources_of_the_common_case_run_no_python(
 
     monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "1" if pure else "0")
     model = nn.Sequential(_Block(), _Block())
-    counts = {"address": 0, "module_output": 0, "walk": 0}
+    counts = {"address": 0, "module_output": 0, "walk": 0, "owner_of": 0}
 
     def counted(owner: type, name: str, key: str) -> None:
         original = getattr(owner, name)
@@ -523,19 +523,26 @@ def test_module_calls_and_sources_of_the_common_case_run_no_python(
     counted(_modules.ModuleTracker, "_address", "address")
     counted(_recorder.Recorder, "module_output", "module_output")
     counted(_source.SourceLocator, "_walk", "walk")
+    counted(_modules.ModuleTracker, "owner_of", "owner_of")
     x = torch.randn(2, 4)
     with tl.capture() as cap:
-        model(x)
+        model(x).sum().backward()
     calls = cap.trace.module_table
     assert calls["address"] == ["", "0", "0.fc", "1", "1.fc"]
     first = _Block.forward.__code__.co_firstlineno
+    columns = cap.trace.columns
+    forward = [i for i, phase in enumerate(columns["phase"]) if phase == "forward" and columns["module"][i]]
     # fc's ops at its call site and tanh there too, the add on the next line
-    assert set(cap.trace.columns["source"]) == {f"{__file__}:{first + 1}", f"{__file__}:{first + 2}"}
+    assert {columns["source"][i] for i in forward} == {f"{__file__}:{first + 1}", f"{__file__}:{first + 2}"}
+    # each parameter's gradient accumulation belongs to its module
+    backward = [i for i, phase in enumerate(columns["phase"]) if phase == "backward"]
+    accumulated = [columns["module"][i] for i in backward if columns["fwd_op"][i] < 0]
+    assert sorted(set(accumulated) - {""}) == ["0.fc", "1.fc"]
     assert calls["source"][2::2] == [f"{__file__}:{first + 1}"] * 2
     if pure:  # walks: the call sites of the root and each fc; each block's tanh, its output's detach, the add
-        assert counts == {"address": 1, "module_output": 5, "walk": 3 + 2 * 3}
+        assert counts == {"address": 1, "module_output": 5, "walk": 3 + 2 * 3, "owner_of": 4}  # 4 parameters
     else:  # only the root's call site, found by the Python hook that names the tree
-        assert counts == {"address": 1, "module_output": 0, "walk": 1}
+        assert counts == {"address": 1, "module_output": 0, "walk": 1, "owner_of": 0}
 
 
 @needs_extension

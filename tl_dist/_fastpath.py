@@ -29,8 +29,8 @@ import torch
 from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
 from ._modules import CLASS_FACTS, LEAF_SPEC, hidden_from_dynamo
 from ._opinfo import flop_count, op_info
-from ._phases import SPECIAL, accumulating_param
-from ._source import _CODE_KINDS, _SOURCE_NAMES, code_kind
+from ._phases import SPECIAL
+from ._source import CODE_KINDS, SOURCE_NAMES, code_kind
 from .schema import MODULE_CALL_FIELDS, OP_FIELDS, field_names
 from .training import _KEY
 
@@ -116,11 +116,11 @@ def _called_from_c(recorder: Any) -> list[Any]:
     compiled DDP's forward): new frames and graph breaks in the window. Marked again at every window, as the
     mode is: ``torch._dynamo.reset()`` may drop the marks."""
     training, modules = recorder.training, recorder.modules
-    called = [_entry, flat_outputs, shape_of, flop_count, dtype_name, device_name, accumulating_param]
+    called = [_entry, flat_outputs, shape_of, flop_count, dtype_name, device_name]
     called += [recorder.on_op, recorder._record_failure]
     called += [recorder._with_written_bases, training.link_pending, training.out_stats, training.arrived]
     called += [recorder._save_op, recorder._save, recorder.watch, recorder._before_write]
-    called += [recorder.phases.special, modules.recomputed, modules.owner_of]
+    called += [recorder.phases.special, modules.recomputed]
     if recorder.locate is not None:
         called += [type(recorder.locate).__call__, code_kind]
     return called
@@ -144,7 +144,6 @@ if _fastop is not None:
         graph_task_id=torch._C._current_graph_task_id,
         grad_enabled=torch.is_grad_enabled,
         current_node=torch._C._current_autograd_node,
-        accumulating_param=accumulating_param,
         perf_counter_ns=time.perf_counter_ns,
         tag=TAG,
         sequence_nr=torch._C._autograd._get_sequence_nr,
@@ -155,7 +154,7 @@ if _fastop is not None:
         _fastop.configure_modules(
             leaf_spec=LEAF_SPEC, class_facts=CLASS_FACTS, call_fields=field_names(MODULE_CALL_FIELDS)
         )
-        _fastop.configure_source(code_kinds=_CODE_KINDS, source_names=_SOURCE_NAMES, code_kind=code_kind)
+        _fastop.configure_source(code_kinds=CODE_KINDS, source_names=SOURCE_NAMES, code_kind=code_kind)
     except (TypeError, ValueError) as exc:  # built from other sources than these (a stale in-place build)
         warnings.warn(
             f"tl_dist: the compiled per-op path does not match this tl_dist ({exc}); every op is recorded in "

@@ -28,13 +28,13 @@ _TYPING_EXTENSIONS = getattr(sys.modules.get("typing_extensions"), "__file__", N
 _USER, _INTERNAL, _MODULE_CALL = 0, 1, 2  # the kinds of code (the compiled walk, _csrc/source.c, reads them)
 # Shared by all captures and by the compiled walk (code objects outlive them): code object -> its kind, and
 # (code, bytecode offset) -> "file:line".
-_CODE_KINDS: dict[Any, int] = {}
-_SOURCE_NAMES: dict[tuple[Any, int], str] = {}
+CODE_KINDS: dict[Any, int] = {}
+SOURCE_NAMES: dict[tuple[Any, int], str] = {}
 
 
 def code_kind(code: Any) -> int:
     """The kind of a code object: the user's (0), torch's, tl_dist's or the standard library's (1), or
-    ``nn.Module``'s call machinery (2); cached in ``_CODE_KINDS`` for every later frame of that code.
+    ``nn.Module``'s call machinery (2); cached in ``CODE_KINDS`` for every later frame of that code.
 
     Example:
         >>> code_kind(code_kind.__code__)
@@ -51,7 +51,7 @@ def code_kind(code: Any) -> int:
         kind = _INTERNAL
     else:
         kind = _USER
-    _CODE_KINDS[code] = kind
+    CODE_KINDS[code] = kind
     return kind
 
 
@@ -66,8 +66,8 @@ class SourceLocator:
 
     def __init__(self, modules: Any) -> None:  # the capture's _modules.ModuleTracker (its current_source)
         self._modules = weakref.proxy(modules)  # the recorder owns both: no reference cycle
-        self._kinds = _CODE_KINDS
-        self._names = _SOURCE_NAMES
+        self._kinds = CODE_KINDS
+        self._names = SOURCE_NAMES
 
     def _walk(self, frame: Any, enclosing: str) -> str:
         kinds = self._kinds

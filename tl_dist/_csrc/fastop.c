@@ -30,13 +30,13 @@ PyObject *g_entries;      /* id(func) -> entry tuple, or None for an op that alw
 PyObject *g_make_entry;   /* func -> entry tuple or None */
 PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
-PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
+PyObject *g_graph_task_id, *g_grad_enabled;
 PyObject *g_perf_counter_ns, *g_current_node, *g_sequence_nr;
 PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
 PyObject *g_flop_memo;
 PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
 PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
-PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
+PyObject *s_variable, *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
     *s_metadata,
     *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
@@ -525,7 +525,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->link_pending = PyObject_GetAttrString(training, "link_pending");
     self->phase_special = PyObject_GetAttrString(phases, "special");
     self->recomputed = PyObject_GetAttrString(modules, "recomputed");
-    self->owner_of = PyObject_GetAttrString(modules, "owner_of");
+    self->stack_of_address = PyObject_GetAttrString(modules, "stack_of_address");
     self->locate = PyObject_GetAttrString(rec, "locate");
     self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
     self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
@@ -563,12 +563,14 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     Py_DECREF(phases);
     if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
         !self->backward_sources || !self->token || !self->written_storage || !self->record_failure ||
-        !self->link_pending || !self->phase_special || !self->recomputed || !self->owner_of ||
+        !self->link_pending || !self->phase_special || !self->recomputed ||
+        !self->stack_of_address ||
         !self->locate || !self->storage_refs || !self->with_written_bases ||
         !self->before_write)
         return -1;
     if (!PyList_Check(self->rows) || !PyDict_Check(self->label_counts) || !PyDict_Check(self->params) ||
-        !PyDict_Check(self->writes) || !PyDict_Check(self->written_storage) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs)) {
+        !PyDict_Check(self->writes) || !PyDict_Check(self->written_storage) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs) ||
+        !PyDict_Check(self->stack_of_address)) {
         PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
         return -1;
     }
@@ -579,7 +581,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
 #define FASTOP_OBJECTS(X) \
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
-    X(owner_of) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
+    X(stack_of_address) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
     X(storage_refs) X(save_op) X(before_write) X(node_ops) X(tagged_nodes) X(last_node) X(last_fwd)
 
 static int
@@ -693,20 +695,20 @@ fastop_configure(PyObject *module, PyObject *args, PyObject *kwds)
     static char *names[] = {"tensor_type", "parameter_type", "entries", "make_entry", "dtype_names",
                             "device_names", "dtype_name", "device_name", "flat_outputs", "shape_of",
                             "flop_count", "graph_task_id", "grad_enabled", "current_node",
-                            "accumulating_param", "perf_counter_ns", "tag", "sequence_nr", "row_fields", NULL};
-    PyObject *v[18], *row_fields;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOOUOO!:configure", names, &v[0], &v[1],
+                            "perf_counter_ns", "tag", "sequence_nr", "row_fields", NULL};
+    PyObject *v[17], *row_fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOO!OO!O!OOOOOOOOOUOO!:configure", names, &v[0], &v[1],
                                      &PyDict_Type, &v[2], &v[3], &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6],
                                      &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14], &v[15], &v[16],
-                                     &v[17], &PyTuple_Type, &row_fields))
+                                     &PyTuple_Type, &row_fields))
         return NULL;
     if (set_slots(row_fields) < 0)
         return NULL;
-    PyObject **slots[18] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
+    PyObject **slots[17] = {&g_tensor_type, &g_parameter_type, &g_entries, &g_make_entry, &g_dtype_names,
                             &g_device_names, &g_dtype_name, &g_device_name, &g_flat_outputs, &g_shape_of,
                             &g_flop_count, &g_graph_task_id, &g_grad_enabled, &g_current_node,
-                            &g_accumulating_param, &g_perf_counter_ns, &g_tag, &g_sequence_nr};
-    for (int i = 0; i < 18; i++)
+                            &g_perf_counter_ns, &g_tag, &g_sequence_nr};
+    for (int i = 0; i < 17; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
     if (set_tensor_getters() < 0)
         return NULL;
@@ -782,6 +784,7 @@ PyInit__fastop(void)
     INTERN(s_numel, "numel");
     INTERN(s_stride, "stride");
     INTERN(s_sequence_nr, "_sequence_nr");
+    INTERN(s_variable, "variable");
     if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL || (g_flop_memo = PyDict_New()) == NULL)
         return NULL;
     if (init_module_hooks() < 0 || PyType_Ready(&FastOpType) < 0)

@@ -13,7 +13,7 @@ extern PyObject *g_entries;      /* id(func) -> entry tuple, or None for an op t
 extern PyObject *g_make_entry;   /* func -> entry tuple or None */
 extern PyObject *g_dtype_names, *g_device_names, *g_dtype_name, *g_device_name;
 extern PyObject *g_flat_outputs, *g_shape_of, *g_flop_count;
-extern PyObject *g_graph_task_id, *g_grad_enabled, *g_accumulating_param;
+extern PyObject *g_graph_task_id, *g_grad_enabled;
 extern PyObject *g_perf_counter_ns, *g_current_node;
 extern PyObject *g_sequence_nr; /* torch._C._autograd._get_sequence_nr: this thread's autograd node counter */
 extern PyObject *g_labels;       /* func name -> [its labels func_1, func_2, ...]: made once per process */
@@ -28,7 +28,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
-    *s_sequence_nr, *s_writes_generation;
+    *s_sequence_nr, *s_writes_generation, *s_variable;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SHAPE_FLOPS, E_SIZE };
@@ -60,7 +60,8 @@ typedef struct {
     PyObject *on_op;            /* rec.on_op: the slow path */
     PyObject *rows, *label_counts, *params, *writes, *backward_sources, *token;
     PyObject *modules, *training;
-    PyObject *link_pending, *record_failure, *phase_special, *recomputed, *owner_of;
+    PyObject *link_pending, *record_failure, *phase_special, *recomputed;
+    PyObject *stack_of_address; /* modules.stack_of_address: address -> the stack of its last forward call */
     PyObject *locate;           /* rec.locate: the user's file:line of an op, or None when not recorded */
     PyObject *mode;             /* weak reference to the mode this is the __torch_dispatch__ of */
     PyObject *storage_refs;     /* rec._storage_refs: saved tensors to copy before a write (saving windows) */

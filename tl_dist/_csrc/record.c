@@ -695,6 +695,60 @@ attr_name(PyObject *t, int which, PyObject *names, PyObject *fallback_fn)
     return name;
 }
 
+/* _phases.accumulating_param and ModuleTracker.owner_of in one, for a backward op that differentiates no
+ * recorded op: (address, stack) of the innermost called module owning the parameter whose gradient the running
+ * AccumulateGrad node accumulates (a parameter of a module used without being called, MultiheadAttention's
+ * out_proj, belongs to its caller), ("", ()) when there is none. New reference, NULL with an error. */
+static PyObject *
+param_owner(FastOp *self)
+{
+    PyObject *node = PyObject_CallNoArgs(g_current_node);
+    if (node == NULL)
+        return NULL;
+    PyObject *result = NULL, *type_name = NULL, *param = NULL, *key = NULL, *address = NULL;
+    if (node != Py_None && (type_name = PyType_GetName(Py_TYPE(node))) == NULL)
+        goto done;
+    int accumulates = type_name != NULL && PyUnicode_Check(type_name) &&
+                      PyUnicode_CompareWithASCIIString(type_name, "AccumulateGrad") == 0;
+    if (!accumulates) {
+        result = Py_BuildValue("(O())", s_empty);
+        goto done;
+    }
+    if ((param = PyObject_GetAttr(node, s_variable)) == NULL || (key = PyLong_FromVoidPtr(param)) == NULL)
+        goto done;
+    PyObject *name = PyDict_GetItemWithError(self->params, key); /* borrowed */
+    if (name == NULL && PyErr_Occurred())
+        goto done;
+    if (name == NULL || !PyUnicode_Check(name)) {
+        result = Py_BuildValue("(O())", s_empty);
+        goto done;
+    }
+    address = Py_NewRef(name);
+    while (PyUnicode_GET_LENGTH(address) > 0) { /* address.rpartition(".")[0], outward */
+        Py_ssize_t dot = PyUnicode_FindChar(address, '.', 0, PyUnicode_GET_LENGTH(address), -1);
+        if (dot == -2)
+            goto done;
+        Py_SETREF(address, dot < 0 ? Py_NewRef(s_empty) : PyUnicode_Substring(address, 0, dot));
+        if (address == NULL)
+            goto done;
+        PyObject *stack = PyDict_GetItemWithError(self->stack_of_address, address); /* borrowed */
+        if (stack != NULL) {
+            result = PyTuple_Pack(2, address, stack);
+            goto done;
+        }
+        if (PyErr_Occurred())
+            goto done;
+    }
+    result = Py_BuildValue("(O())", s_empty);
+done:
+    Py_DECREF(node);
+    Py_XDECREF(type_name);
+    Py_XDECREF(param);
+    Py_XDECREF(key);
+    Py_XDECREF(address);
+    return result;
+}
+
 /* The user's file:line issuing the op, or "" when the window records none. */
 static PyObject *
 locate(FastOp *self)
@@ -1061,14 +1115,8 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long tas
                     goto done;
                 pl->address = Py_NewRef(PyTuple_GET_ITEM(forward_row, g_slot[F_MODULE]));
                 pl->stack = Py_NewRef(PyTuple_GET_ITEM(forward_row, g_slot[F_MODULE_STACK]));
-            } else {
-                PyObject *param = PyObject_CallNoArgs(g_accumulating_param);
-                if (param == NULL)
-                    goto done;
-                owner = PyObject_CallOneArg(self->owner_of, param);
-                Py_DECREF(param);
-                if (owner == NULL)
-                    goto done;
+            } else if ((owner = param_owner(self)) == NULL) {
+                goto done;
             }
         }
         if (owner != NULL) {

@@ -8,8 +8,8 @@
  * _source.code_kind, in Python, once per process. */
 #include "fastop.h"
 
-static PyObject *g_code_kinds;   /* _source._CODE_KINDS: code -> USER / INTERNAL / MODULE_CALL */
-static PyObject *g_source_names; /* _source._SOURCE_NAMES: (code, offset) -> "file:line" */
+static PyObject *g_code_kinds;   /* _source.CODE_KINDS: code -> USER / INTERNAL / MODULE_CALL */
+static PyObject *g_source_names; /* _source.SOURCE_NAMES: (code, offset) -> "file:line" */
 static PyObject *g_code_kind;    /* _source.code_kind: classifies a code object and caches its kind */
 
 enum { K_USER = 0, K_INTERNAL = 1, K_MODULE_CALL = 2 }; /* SourceLocator._USER, _INTERNAL, _MODULE_CALL */
