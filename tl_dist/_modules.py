@@ -97,10 +97,6 @@ def _class_facts(cls: type) -> tuple[bool, bool]:
     return facts
 
 
-def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
-    return _class_facts(type(module))[0] and hasattr(module, "_orig_mod")
-
-
 if TYPE_CHECKING:
     from ._recorder_state import RecorderState
 
@@ -189,7 +185,8 @@ class ModuleTracker:
         stack: list[tuple[str, torch.nn.Module]] = [("", root)]
         while stack:
             name, mod = stack.pop()
-            if _is_compiled_wrapper(mod):
+            cls = type(mod)  # the class's facts looked up here fill the table the C pre-hook reads
+            if (CLASS_FACTS.get(cls) or _class_facts(cls))[0] and hasattr(mod, "_orig_mod"):
                 self._wrapper_of[id(mod._orig_mod)] = id(mod)
             children = mod._modules
             if children:
@@ -197,7 +194,8 @@ class ModuleTracker:
                 stack += [
                     (stem + key, child) for key, child in reversed(children.items()) if child is not None
                 ]
-            name = _strip_compiled(name)
+            if "_orig_mod" in name:
+                name = _strip_compiled(name)
             names.setdefault(id(mod), dot + name if name else prefix)
             modules.setdefault(id(mod), weakref.ref(mod))
             member = dot + name + "." if name else dot
