@@ -25,21 +25,28 @@ Everything is measured in this process, interleaved, and printed as ratios to th
    ops in one module; the module chain's extra over the flat chain is the cost of the global module hooks
    (two Python hooks per call: the module-call table, the call site, the module's output ops).
 
+``--processes N`` runs part 1 in N fresh processes, one after another, and reports their rounds pooled (and
+each process's window / floor): on this machine one process's figures at 40 rounds move 1.5-2.5 points from
+the next's, and pooling fresh processes averages over what each one's memory layout contributes as well as
+over rounds.
+
 ``--cpu`` times part 1 in the training thread's CPU time (``time.thread_time``) with one torch thread, so every
 op runs on that thread: on a loaded shared machine far steadier than wall time, and still what the window adds
 (its cost is all on that thread). glibc's malloc runs with fixed trim and mmap thresholds (``benchmarks/heap.py``);
 ``--default-heap`` keeps its moving defaults.
 
 Run: ``OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_telemetry.py [--rounds 7] [--part 1 2 3 4 5] [--cpu]
-[--default-heap]``
+[--processes 1] [--default-heap]``
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -102,14 +109,18 @@ def _run(mode: str, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch
 MODES = ("plain", "floor", "window", "stats", "profiler")
 
 
-def part_step(rounds: int) -> None:
+StepTimes = dict[str, dict[str, list[float]]]  # workload -> mode -> one time per round
+
+
+def _step_times(rounds: int) -> StepTimes:
+    """Part 1's measurement: each workload's modes, ``rounds`` rounds in carryover-balanced orders."""
     torch.manual_seed(0)
     workloads = {
         "resnet18": (ResNet18().train(), torch.randn(2, 3, 224, 224)),
         "transformer": (transformer().train(), torch.randn(4, 128, 256)),
         "gpt": (GPT().train(), torch.randint(0, 1000, (4, 128))),
     }
-    print("1. training step, ratio to the plain step of the same round (median, min)")
+    result: StepTimes = {}
     for name, (model, x) in workloads.items():
         runs = {}
         for mode in MODES:  # one copy per mode: momentum buffers and BN statistics evolve alike
@@ -123,10 +134,41 @@ def part_step(rounds: int) -> None:
         for r in range(rounds):
             for mode in orders[r % len(orders)]:
                 times[mode].append(_run(mode, *runs[mode], x))
-        ratio = {m: [t / p for t, p in zip(times[m], times["plain"])] for m in MODES}
-        over_floor = [w / f for w, f in zip(times["window"], times["floor"])]
-        stats_over = [s / w for s, w in zip(times["stats"], times["window"])]
-        plain_ms = statistics.median(times["plain"]) * 1e3
+        result[name] = times
+    return result
+
+
+def _step_times_in_processes(rounds: int, processes: int, worker_args: list[str]) -> StepTimes:
+    """Part 1 in ``processes`` fresh processes, one after another (they would share the cores), their rounds
+    pooled (one process's figures move 1.5-2.5 points from the next's on this machine, more than a change worth
+    measuring). Prints each process's window / floor medians."""
+    pooled: StepTimes = {}
+    for k in range(processes):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = [sys.executable, os.path.abspath(__file__), "--part", "1", "--rounds", str(rounds)]
+            subprocess.run(
+                [*cmd, *worker_args, "--times-out", out.name], check=True, stdout=subprocess.DEVNULL
+            )
+            with open(out.name) as written:
+                times: StepTimes = json.load(written)
+        medians = "  ".join(
+            f"{name} {statistics.median(w / f for w, f in zip(t['window'], t['floor'])):.3f}x"
+            for name, t in times.items()
+        )
+        print(f"  process {k + 1} of {processes}, window / floor: {medians}")
+        for name, by_mode in times.items():
+            for mode, values in by_mode.items():
+                pooled.setdefault(name, {}).setdefault(mode, []).extend(values)
+    return pooled
+
+
+def part_step(times: StepTimes) -> None:
+    print("1. training step, ratio to the plain step of the same round (median, min)")
+    for name, by_mode in times.items():
+        ratio = {m: [t / p for t, p in zip(by_mode[m], by_mode["plain"])] for m in MODES}
+        over_floor = [w / f for w, f in zip(by_mode["window"], by_mode["floor"])]
+        stats_over = [s / w for s, w in zip(by_mode["stats"], by_mode["window"])]
+        plain_ms = statistics.median(by_mode["plain"]) * 1e3
         cells = "  ".join(
             f"{m} {statistics.median(ratio[m]):.3f}x (min {min(ratio[m]):.3f})" for m in MODES[1:]
         )
@@ -135,7 +177,8 @@ def part_step(rounds: int) -> None:
         print(f"  {name}: plain {plain_ms:.1f} ms | {cells}")
         print(
             f"  {name}: window / floor median {statistics.median(over_floor):.3f}x "
-            f"(min {min(over_floor):.3f}); target <= 1.05x of the floor and below the profiler: {verdict}"
+            f"(min {min(over_floor):.3f}, {len(over_floor)} rounds); target <= 1.05x of the floor and below "
+            f"the profiler: {verdict}"
         )
         med = statistics.median(stats_over)
         print(
@@ -320,6 +363,13 @@ def main() -> None:
     parser.add_argument("--part", type=int, nargs="*", default=[1, 2, 3, 4, 5])
     parser.add_argument("--cpu", action="store_true", help="part 1 in thread CPU time, one torch thread")
     parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="part 1 in this many fresh processes, one after another, their rounds pooled",
+    )
+    parser.add_argument("--times-out", help=argparse.SUPPRESS)  # a --processes worker's part 1 times (JSON)
+    parser.add_argument(
         "--default-heap",
         action="store_true",
         help="keep glibc's moving malloc thresholds (benchmarks/heap.py)",
@@ -327,13 +377,24 @@ def main() -> None:
     args = parser.parse_args()
     print(f"heap: {heap.set_policy(sys.argv)}")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    if 1 in args.part:
+    if 1 in args.part and args.processes > 1:
+        worker_args = [
+            flag for flag, on in (("--cpu", args.cpu), ("--default-heap", args.default_heap)) if on
+        ]
+        print(f"part 1 in {args.processes} processes of {args.rounds} rounds, pooled")
+        part_step(_step_times_in_processes(args.rounds, args.processes, worker_args))
+    elif 1 in args.part:
         global _clock
         if args.cpu:
             _clock = time.thread_time
             torch.set_num_threads(1)
             print("part 1 in the training thread's CPU time, 1 torch thread")
-        part_step(args.rounds)
+        times = _step_times(args.rounds)
+        if args.times_out:  # a worker of --processes: the parent reports
+            with open(args.times_out, "w") as out:
+                json.dump(times, out)
+            return
+        part_step(times)
         _clock = time.perf_counter
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if 2 in args.part:
