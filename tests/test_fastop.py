@@ -548,6 +548,40 @@ def test_module_calls_and_sources_of_the_common_case_run_no_python(
         assert counts == {"address": 1, "module_output": 0, "walk": 1, "owner_of": 0}
 
 
+class _Pair(nn.Module):  # as nn.MultiheadAttention and Hugging Face attention modules return
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x.tanh(), None
+
+
+@needs_extension
+def test_a_tuple_of_tensors_and_nones_takes_the_compiled_post_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tl_dist import _modules, _recorder
+
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, "0")
+    _modules._flatten((torch.zeros(1), None))  # a length's spec is made once per process, by the Python hook
+    handed_back = []
+    original = _recorder.Recorder.module_output
+
+    def module_output(self, address: str, leaves: list):  # noqa: ANN001, ANN202
+        handed_back.append(address)
+        return original(self, address, leaves)
+
+    monkeypatch.setattr(_recorder.Recorder, "module_output", module_output)
+    x = torch.randn(2, 3)
+    with tl.capture() as cap:
+        out, weights = _Pair()(x)
+    assert weights is None and handed_back == []
+    assert cap.trace.columns["label"] == ["tanh_1"]
+    table = cap.trace.module_table
+    assert (table["out_ops"], table["out_pos"]) == ([(0, -1)], [(0, -1)])
+    assert cap.trace.output_of == {0: ("",)}
+    spec, leaves = cap.trace.out_trees[0]
+    assert spec == _modules.FLAT_TUPLE_SPECS[2] and leaves == [
+        None,
+        None,
+    ]  # both leaves rebuilt without a copy
+
+
 @needs_extension
 def test_a_schema_the_extension_cannot_fill_is_refused_whole() -> None:
     names = _fastpath.CONFIG["row_fields"]

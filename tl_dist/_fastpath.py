@@ -10,7 +10,7 @@ a write (``Recorder._before_write``) and, in a saving window, the selector and t
 ``tests/test_fastop.py`` checks both give the same rows, saved tensors and replay records.
 
 The extension also does the common case of the module tracker's two global hooks (``_csrc/modules.c``: a
-named module's call on the window's thread, and a call returning one tensor) and the walk over the Python
+named module's call on the window's thread, and a call returning tensors) and the walk over the Python
 frames that finds an op's or a module call's ``source`` (``_csrc/source.c``); ``ModuleTracker._pre`` /
 ``_post`` and ``SourceLocator`` stay the reference, and the whole path when ``TL_DIST_PURE_PYTHON=1``.
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
-from ._modules import CLASS_FACTS, LEAF_SPEC, hidden_from_dynamo
+from ._modules import CLASS_FACTS, FLAT_TUPLE_SPECS, LEAF_SPEC, hidden_from_dynamo
 from ._opinfo import flop_count, op_info
 from ._phases import SPECIAL
 from ._source import CODE_KINDS, SOURCE_NAMES, code_kind
@@ -152,7 +152,10 @@ if _fastop is not None:
     try:
         _fastop.configure(**CONFIG)
         _fastop.configure_modules(
-            leaf_spec=LEAF_SPEC, class_facts=CLASS_FACTS, call_fields=field_names(MODULE_CALL_FIELDS)
+            leaf_spec=LEAF_SPEC,
+            flat_tuple_specs=FLAT_TUPLE_SPECS,
+            class_facts=CLASS_FACTS,
+            call_fields=field_names(MODULE_CALL_FIELDS),
         )
         _fastop.configure_source(code_kinds=CODE_KINDS, source_names=SOURCE_NAMES, code_kind=code_kind)
     except (TypeError, ValueError) as exc:  # built from other sources than these (a stale in-place build)

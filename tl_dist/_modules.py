@@ -9,8 +9,9 @@ Each call of a module becomes a row of the module-call table (schema.MODULE_CALL
   of the module's forward call, and no module-call row is added (the forward call already has one).
 - With the extension built, a call's common case is done in C (``_csrc/modules.c``, ``_fastpath.module_hooks``):
   a named module on the window's thread, outside the autograd engine, with no compiled wrapper in the tree;
-  and at its end, when it is the innermost call open and returns one plain tensor. Every other call, and every
-  call with ``TL_DIST_PURE_PYTHON=1``, runs the Python below, which ``tests/test_fastop.py`` compares it to.
+  and at its end, when it is the innermost call open and returns plain tensors (one, or a tuple of them and
+  Nones). Every other call, and every call with ``TL_DIST_PURE_PYTHON=1``, runs the Python below, which
+  ``tests/test_fastop.py`` compares it to.
 - ``torch.compile``'d modules (``OptimizedModule``) are transparent: addresses lose the ``_orig_mod`` segment,
   and the wrapper's call is the call of the module it wraps (whose own hooks do not fire when it runs compiled;
   when they do -- eagerly, or resuming after a graph break -- that inner call is not counted twice).
@@ -53,7 +54,7 @@ _graph_task_id = torch._C._current_graph_task_id
 _compiling = torch.compiler.is_compiling
 
 
-_FLAT_TUPLE_SPECS: dict[int, Any] = {}  # n -> the spec of a plain tuple of n leaves
+FLAT_TUPLE_SPECS: dict[int, Any] = {}  # n -> the spec of a plain tuple of n leaves
 
 
 def _flatten(output: Any) -> tuple[list, Any]:
@@ -65,9 +66,9 @@ def _flatten(output: Any) -> tuple[list, Any]:
     if type(output) is tuple and all(
         v is None or (isinstance(v, torch.Tensor) and type(v) not in SUPPORTED_NODES) for v in output
     ):
-        spec = _FLAT_TUPLE_SPECS.get(len(output))
+        spec = FLAT_TUPLE_SPECS.get(len(output))
         if spec is None:
-            spec = _FLAT_TUPLE_SPECS[len(output)] = tree_flatten(output)[1]
+            spec = FLAT_TUPLE_SPECS[len(output)] = tree_flatten(output)[1]
         return list(output), spec
     return tree_flatten(output)
 

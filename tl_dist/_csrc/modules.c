@@ -9,7 +9,7 @@
  * here. These return True when they did the hook's whole work, and False, having changed nothing, where the
  * call needs the Python hook: another thread, the autograd engine (checkpoint recomputation), a module not
  * named yet, a compiled wrapper in the tree, a class not seen yet, a call that is not the innermost one open,
- * interventions on module outputs, an output that is not one plain tensor. The Python hooks are the reference
+ * interventions on module outputs, an output that is not plain tensors. The Python hooks are the reference
  * (tests/test_fastop.py compares the module-call tables of both paths on every zoo model, and counts the
  * Python that runs).
  *
@@ -22,6 +22,7 @@
 PyObject *g_leaf_spec;    /* the pytree spec of one tensor (_modules.LEAF_SPEC) */
 PyObject *g_class_facts;  /* type -> (torch.compile's wrapper class, forward is torch's own) (_modules.CLASS_FACTS) */
 PyObject *g_call_columns; /* the module-call table's column names, in schema.MODULE_CALL_FIELDS order */
+PyObject *g_flat_tuple_specs; /* n -> the spec of a plain tuple of n leaves (_modules.FLAT_TUPLE_SPECS) */
 
 /* The columns this file appends to, in schema.MODULE_CALL_FIELDS order (checked at configure()). */
 enum { C_ADDRESS, C_TYPE, C_CALL, C_PARENT, C_DEPTH, C_FIRST_OP, C_END_OP, C_OUT_OPS, C_OUT_POS, C_SOURCE, N_COLUMNS };
@@ -277,34 +278,25 @@ done:
     return result;
 }
 
-/* (out_ops, out_pos) of a call whose output is the one tensor leaf (in the list leaves), as
- * Recorder.module_output gives them, which runs where the window needs more than the op that made the leaf:
- * a previous op's outputs still to link, output statistics, a save selector. Only a leaf whose autograd node
- * its own op did not make (a custom Function's) calls back into TrainingState.link_module_output, as the
- * Python does. New reference, NULL with an error. */
+/* (op, position) of one output leaf of a module call, as Recorder.module_output's loop finds them, with its
+ * side effects: the module noted in output_of, and the leaf's autograd node linked where its own op did not
+ * make it (a custom Function's: TrainingState.link_module_output, in Python). (-1, -1): no op of this window
+ * made the leaf. New reference, NULL with an error. */
 static PyObject *
-output_ops(PyObject *recorder, PyObject *address, PyObject *leaf, PyObject *leaves)
+leaf_op(PyObject *recorder, PyObject *training, PyObject *token, PyObject *address, PyObject *leaf)
 {
-    PyObject *result = NULL, *pending = NULL, *selector = NULL, *training = NULL, *stats_all = NULL;
-    PyObject *token = NULL, *tag = NULL, *requires_grad = NULL, *node = NULL, *number = NULL, *node_ops = NULL;
-    PyObject *output_of = NULL, *modules_out = NULL, *empty = NULL, *hooks_on = NULL;
-    if ((pending = PyObject_GetAttr(recorder, s_pending)) == NULL ||
-        (selector = PyObject_GetAttr(recorder, s_save_selector)) == NULL ||
-        (training = PyObject_GetAttr(recorder, s_training)) == NULL ||
-        (stats_all = PyObject_GetAttr(training, s_stats_all)) == NULL)
-        goto done;
-    if (pending != Py_None || selector != Py_None || stats_all != Py_False) {
-        result = PyObject_CallMethodObjArgs(recorder, s_module_output, address, leaves, NULL);
-        goto done;
-    }
-    if ((token = PyObject_GetAttr(recorder, s_token)) == NULL || lookup_attr(leaf, g_tag, &tag) < 0)
+    PyObject *result = NULL, *tag = NULL, *requires_grad = NULL, *node = NULL, *number = NULL;
+    PyObject *node_ops = NULL, *output_of = NULL, *modules_out = NULL, *empty = NULL, *hooks_on = NULL;
+    if (leaf == Py_None) /* a None in a tuple of outputs (nn.MultiheadAttention's weights) */
+        return Py_BuildValue("(ii)", -1, -1);
+    if (lookup_attr(leaf, g_tag, &tag) < 0)
         goto done;
     int ours = 0;
     if (tag != NULL && PyTuple_Check(tag) && PyTuple_GET_SIZE(tag) >= 3 &&
         (ours = PyObject_RichCompareBool(PyTuple_GET_ITEM(tag, 0), token, Py_EQ)) < 0)
         goto done;
     if (!ours) {
-        result = Py_BuildValue("((i)(i))", -1, -1);
+        result = Py_BuildValue("(ii)", -1, -1);
         goto done;
     }
     PyObject *index = PyTuple_GET_ITEM(tag, 1), *pos = PyTuple_GET_ITEM(tag, 2);
@@ -347,13 +339,8 @@ output_ops(PyObject *recorder, PyObject *address, PyObject *leaf, PyObject *leav
     /* several output leaves of one module from one op count once */
     if (!known && PyList_Append(modules_out, address) < 0)
         goto done;
-    result = Py_BuildValue("((O)(O))", index, pos);
+    result = PyTuple_Pack(2, index, pos);
 done:
-    Py_XDECREF(pending);
-    Py_XDECREF(selector);
-    Py_XDECREF(training);
-    Py_XDECREF(stats_all);
-    Py_XDECREF(token);
     Py_XDECREF(tag);
     Py_XDECREF(requires_grad);
     Py_XDECREF(node);
@@ -366,9 +353,85 @@ done:
     return result;
 }
 
+/* (out_ops, out_pos) of a call's output leaves (tensors, and Nones in a tuple), as Recorder.module_output
+ * gives them, which runs where the window needs more than the ops that made the leaves: a previous op's
+ * outputs still to link, output statistics, a save selector. New reference, NULL with an error. */
+static PyObject *
+output_ops(PyObject *recorder, PyObject *address, PyObject *leaves)
+{
+    PyObject *result = NULL, *pending = NULL, *selector = NULL, *training = NULL, *stats_all = NULL;
+    PyObject *token = NULL, *ops = NULL, *poss = NULL;
+    if ((pending = PyObject_GetAttr(recorder, s_pending)) == NULL ||
+        (selector = PyObject_GetAttr(recorder, s_save_selector)) == NULL ||
+        (training = PyObject_GetAttr(recorder, s_training)) == NULL ||
+        (stats_all = PyObject_GetAttr(training, s_stats_all)) == NULL)
+        goto done;
+    if (pending != Py_None || selector != Py_None || stats_all != Py_False) {
+        result = PyObject_CallMethodObjArgs(recorder, s_module_output, address, leaves, NULL);
+        goto done;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(leaves);
+    if ((token = PyObject_GetAttr(recorder, s_token)) == NULL || (ops = PyTuple_New(n)) == NULL ||
+        (poss = PyTuple_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) { /* in order: the first leaf of an op notes the module */
+        PyObject *found = leaf_op(recorder, training, token, address, PyList_GET_ITEM(leaves, i));
+        if (found == NULL)
+            goto done;
+        PyTuple_SET_ITEM(ops, i, Py_NewRef(PyTuple_GET_ITEM(found, 0)));
+        PyTuple_SET_ITEM(poss, i, Py_NewRef(PyTuple_GET_ITEM(found, 1)));
+        Py_DECREF(found);
+    }
+    result = PyTuple_Pack(2, ops, poss);
+done:
+    Py_XDECREF(pending);
+    Py_XDECREF(selector);
+    Py_XDECREF(training);
+    Py_XDECREF(stats_all);
+    Py_XDECREF(token);
+    Py_XDECREF(ops);
+    Py_XDECREF(poss);
+    return result;
+}
+
+/* The leaves and the pytree spec of an output the C post-hook takes, as _modules._flatten gives them: one
+ * plain tensor, or a plain tuple of plain tensors and Nones whose spec _flatten has made already. Sets *leaves
+ * and *spec (new references); 0 when the output is another kind (nothing set), -1 with an error. */
+static int
+flat_output(PyObject *output, PyObject **leaves, PyObject **spec)
+{
+    PyObject *type = (PyObject *)Py_TYPE(output);
+    if (type == g_tensor_type || type == g_parameter_type) {
+        if ((*leaves = PyList_New(1)) == NULL)
+            return -1;
+        PyList_SET_ITEM(*leaves, 0, Py_NewRef(output));
+        *spec = Py_NewRef(g_leaf_spec);
+        return 1;
+    }
+    if (!PyTuple_CheckExact(output))
+        return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(output);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyTuple_GET_ITEM(output, i);
+        PyObject *t = (PyObject *)Py_TYPE(v);
+        if (v != Py_None && t != g_tensor_type && t != g_parameter_type)
+            return 0;
+    }
+    PyObject *length = PyLong_FromSsize_t(n);
+    PyObject *found = length == NULL ? NULL : PyDict_GetItemWithError(g_flat_tuple_specs, length); /* borrowed */
+    Py_XDECREF(length);
+    if (found == NULL)
+        return PyErr_Occurred() ? -1 : 0; /* the Python hook makes that length's spec, once */
+    if ((*leaves = PySequence_List(output)) == NULL)
+        return -1;
+    *spec = Py_NewRef(found);
+    return 1;
+}
+
 /* module_post(tracker, module, output) -> bool: ModuleTracker._post's work when the call ending is the
  * innermost one open, on the tracker's thread, a forward call (not a recomputation), the window has no
- * interventions on module outputs, and the output is one plain tensor. False (nothing changed) otherwise. */
+ * interventions on module outputs, and the output is one plain tensor or a plain tuple of them and Nones
+ * (flat_output). False (nothing changed) otherwise. */
 PyObject *
 module_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -383,7 +446,7 @@ module_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (d == NULL)
         return NULL;
     PyObject *result = NULL, *top = NULL, *n_ops = NULL, *address = NULL, *outs = NULL, *leaves = NULL;
-    PyObject *tree_leaves = NULL, *tree = NULL;
+    PyObject *tree_leaves = NULL, *tree = NULL, *spec = NULL;
     PyObject *stack = PyDict_CheckExact(d) ? item(d, s_stack) : NULL;
     if (stack == NULL) {
         if (!PyErr_Occurred())
@@ -395,8 +458,9 @@ module_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int same = edits == NULL ? -1 : on_tracker_thread(d);
     if (same < 0)
         goto done;
-    PyObject *type = (PyObject *)Py_TYPE(output);
-    int plain = depth > 0 && same && edits == Py_None && (type == g_tensor_type || type == g_parameter_type);
+    int plain = depth > 0 && same && edits == Py_None;
+    if (plain && (plain = flat_output(output, &leaves, &spec)) < 0)
+        goto done;
     long row = -1;
     if (plain) {
         PyObject *last = PyList_GET_ITEM(stack, depth - 1);
@@ -433,29 +497,29 @@ module_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         set_current(tracker, d, stack) < 0)
         goto done;
     address = Py_NewRef(PyList_GET_ITEM(addresses, row));
-    if ((leaves = PyList_New(1)) == NULL)
-        goto done;
-    PyList_SET_ITEM(leaves, 0, Py_NewRef(output));
-    outs = output_ops(recorder, address, output, leaves);
+    outs = output_ops(recorder, address, leaves);
     if (outs == NULL)
         goto done;
+    Py_ssize_t n = PyList_GET_SIZE(leaves);
     if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(outs, 0)) ||
-        PyTuple_GET_SIZE(PyTuple_GET_ITEM(outs, 0)) != 1) {
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(outs, 0)) != n) {
         PyErr_SetString(PyExc_TypeError, "tl_dist: Recorder.module_output returns (out_ops, out_pos), one per leaf");
         goto done;
     }
     PyObject *ops = PyTuple_GET_ITEM(outs, 0), *pos = PyTuple_GET_ITEM(outs, 1);
-    long op = PyLong_AsLong(PyTuple_GET_ITEM(ops, 0));
-    if (op == -1 && PyErr_Occurred())
-        goto done;
     if (PyList_SetItem(out_ops, row, Py_NewRef(ops)) < 0 || PyList_SetItem(out_pos, row, Py_NewRef(pos)) < 0)
         goto done;
     /* (spec, the leaves no op made): rebuilding the output needs only those. */
-    if ((tree_leaves = PyList_New(1)) == NULL)
+    if ((tree_leaves = PyList_New(n)) == NULL)
         goto done;
-    PyList_SET_ITEM(tree_leaves, 0, Py_NewRef(op >= 0 ? Py_None : output));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long op = PyLong_AsLong(PyTuple_GET_ITEM(ops, i));
+        if (op == -1 && PyErr_Occurred())
+            goto done;
+        PyList_SET_ITEM(tree_leaves, i, Py_NewRef(op >= 0 ? Py_None : PyList_GET_ITEM(leaves, i)));
+    }
     PyObject *row_key = PyLong_FromLong(row);
-    tree = row_key == NULL ? NULL : PyTuple_Pack(2, g_leaf_spec, tree_leaves);
+    tree = row_key == NULL ? NULL : PyTuple_Pack(2, spec, tree_leaves);
     int rc = tree == NULL ? -1 : PyDict_SetItem(out_trees, row_key, tree);
     Py_XDECREF(row_key);
     if (rc < 0)
@@ -470,22 +534,24 @@ done:
     Py_XDECREF(leaves);
     Py_XDECREF(tree_leaves);
     Py_XDECREF(tree);
+    Py_XDECREF(spec);
     return result;
 }
 
-/* configure_modules(leaf_spec, class_facts, call_fields): the objects the module hooks share with _modules.py
+/* configure_modules(leaf_spec, flat_tuple_specs, class_facts, call_fields): the objects the module hooks share with _modules.py
  * (once, at import). Nothing changes when call_fields is not the column list this file fills. */
 PyObject *
 fastop_configure_modules(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"leaf_spec", "class_facts", "call_fields", NULL};
-    PyObject *leaf_spec, *class_facts, *call_fields;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OO!O!:configure_modules", names, &leaf_spec, &PyDict_Type,
-                                     &class_facts, &PyTuple_Type, &call_fields))
+    static char *names[] = {"leaf_spec", "flat_tuple_specs", "class_facts", "call_fields", NULL};
+    PyObject *leaf_spec, *flat_tuple_specs, *class_facts, *call_fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OO!O!O!:configure_modules", names, &leaf_spec, &PyDict_Type,
+                                     &flat_tuple_specs, &PyDict_Type, &class_facts, &PyTuple_Type, &call_fields))
         return NULL;
     if (check_call_columns(call_fields) < 0)
         return NULL;
     Py_XSETREF(g_leaf_spec, Py_NewRef(leaf_spec));
+    Py_XSETREF(g_flat_tuple_specs, Py_NewRef(flat_tuple_specs));
     Py_XSETREF(g_class_facts, Py_NewRef(class_facts));
     Py_XSETREF(g_call_columns, Py_NewRef(call_fields));
     Py_RETURN_NONE;
