@@ -749,15 +749,24 @@ done:
     return result;
 }
 
-/* The user's file:line issuing the op, or "" when the window records none. */
+/* The user's file:line issuing the op, or "" when the window records none: SourceLocator.__call__'s walk
+ * (source.c), which ends at the enclosing call's source, `enclosing` (modules.current[4]). */
 static PyObject *
-locate(FastOp *self)
+locate(FastOp *self, PyObject *enclosing)
 {
     if (self->locate == Py_None)
         return Py_NewRef(s_empty);
     if (!source_configured())
-        return PyObject_CallNoArgs(self->locate);
-    /* SourceLocator.__call__'s walk (source.c), which ends at the enclosing call's source: modules.current[4] */
+        return PyObject_CallNoArgs(self->locate); /* it reads the enclosing source itself */
+    return op_source(enclosing);
+}
+
+/* locate() where the caller holds no current call: it is read from modules.current. */
+static PyObject *
+locate_here(FastOp *self)
+{
+    if (self->locate == Py_None || !source_configured())
+        return locate(self, s_empty);
     PyObject *current = slot_get(self->modules, self->current_slot, s_current);
     if (current == NULL)
         return NULL;
@@ -765,7 +774,7 @@ locate(FastOp *self)
     if (!PyTuple_Check(current) || PyTuple_GET_SIZE(current) != 5)
         PyErr_SetString(PyExc_TypeError, "tl_dist: ModuleTracker.current is (address, stack, call, builtin, source)");
     else
-        source = op_source(PyTuple_GET_ITEM(current, 4));
+        source = locate(self, PyTuple_GET_ITEM(current, 4));
     Py_DECREF(current);
     return source;
 }
@@ -791,7 +800,7 @@ forward_source(FastOp *self, PyObject *phase, PyObject *builtin, PyObject *curre
             return step;
         Py_DECREF(step);
     }
-    return locate(self);
+    return locate(self, current_source);
 }
 
 PyObject *
@@ -1133,11 +1142,11 @@ place_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *task, long tas
             /* Every op of one backward pass has the same Python stack above the engine. */
             pl->source = Py_XNewRef(PyDict_GetItemWithError(self->backward_sources, task));
             if (pl->source == NULL) {
-                if (PyErr_Occurred() || (pl->source = locate(self)) == NULL ||
+                if (PyErr_Occurred() || (pl->source = locate_here(self)) == NULL ||
                     PyDict_SetItem(self->backward_sources, task, pl->source) < 0)
                     goto done;
             }
-        } else if ((pl->source = locate(self)) == NULL) {
+        } else if ((pl->source = locate_here(self)) == NULL) {
             goto done;
         }
     }
