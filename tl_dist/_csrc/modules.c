@@ -278,28 +278,31 @@ done:
     return result;
 }
 
-/* (op, position) of one output leaf of a module call, as Recorder.module_output's loop finds them, with its
- * side effects: the module noted in output_of, and the leaf's autograd node linked where its own op did not
- * make it (a custom Function's: TrainingState.link_module_output, in Python). (-1, -1): no op of this window
- * made the leaf. New reference, NULL with an error. */
-static PyObject *
-leaf_op(PyObject *recorder, PyObject *training, PyObject *token, PyObject *address, PyObject *leaf)
+/* Sets *op and *pos (new references) to the op that made one output leaf of a module call and which of its
+ * outputs it is, as Recorder.module_output's loop finds them (-1 and -1: no op of this window made it), with
+ * that loop's side effects: the module noted in output_of, and the leaf's autograd node linked where its own
+ * op did not make it (a custom Function's: TrainingState.link_module_output, in Python). -1 with an error. */
+static int
+leaf_op(PyObject *recorder, PyObject *training, PyObject *token, PyObject *address, PyObject *leaf,
+        PyObject **op, PyObject **pos)
 {
-    PyObject *result = NULL, *tag = NULL, *requires_grad = NULL, *node = NULL, *number = NULL;
+    int rc = -1;
+    PyObject *tag = NULL, *requires_grad = NULL, *node = NULL, *number = NULL;
     PyObject *node_ops = NULL, *output_of = NULL, *modules_out = NULL, *empty = NULL, *hooks_on = NULL;
-    if (leaf == Py_None) /* a None in a tuple of outputs (nn.MultiheadAttention's weights) */
-        return Py_BuildValue("(ii)", -1, -1);
-    if (lookup_attr(leaf, g_tag, &tag) < 0)
+    int ours = 0; /* a None in a tuple of outputs (nn.MultiheadAttention's weights) is no op's */
+    if (leaf != Py_None && lookup_attr(leaf, g_tag, &tag) < 0)
         goto done;
-    int ours = 0;
     if (tag != NULL && PyTuple_Check(tag) && PyTuple_GET_SIZE(tag) >= 3 &&
         (ours = PyObject_RichCompareBool(PyTuple_GET_ITEM(tag, 0), token, Py_EQ)) < 0)
         goto done;
     if (!ours) {
-        result = Py_BuildValue("(ii)", -1, -1);
+        if ((*op = PyLong_FromLong(-1)) == NULL)
+            goto done;
+        *pos = Py_NewRef(*op);
+        rc = 0;
         goto done;
     }
-    PyObject *index = PyTuple_GET_ITEM(tag, 1), *pos = PyTuple_GET_ITEM(tag, 2);
+    PyObject *index = PyTuple_GET_ITEM(tag, 1);
     if ((requires_grad = PyObject_GetAttr(leaf, s_requires_grad)) == NULL)
         goto done;
     if (requires_grad == Py_True) {
@@ -339,7 +342,9 @@ leaf_op(PyObject *recorder, PyObject *training, PyObject *token, PyObject *addre
     /* several output leaves of one module from one op count once */
     if (!known && PyList_Append(modules_out, address) < 0)
         goto done;
-    result = PyTuple_Pack(2, index, pos);
+    *op = Py_NewRef(index);
+    *pos = Py_NewRef(PyTuple_GET_ITEM(tag, 2));
+    rc = 0;
 done:
     Py_XDECREF(tag);
     Py_XDECREF(requires_grad);
@@ -350,7 +355,7 @@ done:
     Py_XDECREF(modules_out);
     Py_XDECREF(empty);
     Py_XDECREF(hooks_on);
-    return result;
+    return rc;
 }
 
 /* (out_ops, out_pos) of a call's output leaves (tensors, and Nones in a tuple), as Recorder.module_output
@@ -375,12 +380,11 @@ output_ops(PyObject *recorder, PyObject *address, PyObject *leaves)
         (poss = PyTuple_New(n)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) { /* in order: the first leaf of an op notes the module */
-        PyObject *found = leaf_op(recorder, training, token, address, PyList_GET_ITEM(leaves, i));
-        if (found == NULL)
+        PyObject *op = NULL, *pos = NULL;
+        if (leaf_op(recorder, training, token, address, PyList_GET_ITEM(leaves, i), &op, &pos) < 0)
             goto done;
-        PyTuple_SET_ITEM(ops, i, Py_NewRef(PyTuple_GET_ITEM(found, 0)));
-        PyTuple_SET_ITEM(poss, i, Py_NewRef(PyTuple_GET_ITEM(found, 1)));
-        Py_DECREF(found);
+        PyTuple_SET_ITEM(ops, i, op);
+        PyTuple_SET_ITEM(poss, i, pos);
     }
     result = PyTuple_Pack(2, ops, poss);
 done:
