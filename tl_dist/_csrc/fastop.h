@@ -95,6 +95,9 @@ enum { T_SHAPE, T_DTYPE, T_DEVICE, T_IS_CPU, T_IS_CUDA, T_GRAD_FN, T_BASE, T_COU
 int set_tensor_getters(void);
 PyObject * tensor_get(PyObject *t, int which);
 int tensor_true(PyObject *t, int which);
+/* Tensor methods called through their method descriptor (record.c, tensor_call). */
+enum { M_DATA_PTR, M_STORAGE_OFFSET, M_ELEMENT_SIZE, M_IS_CONTIGUOUS, M_NUMEL, M_STRIDE, M_UNTYPED_STORAGE, M_COUNT };
+PyObject * tensor_call(PyObject *t, int which);
 int lookup_attr(PyObject *obj, PyObject *name, PyObject **result);
 PyObject * rec_get(FastOp *self, int which);
 int rec_set(FastOp *self, int which, PyObject *value);

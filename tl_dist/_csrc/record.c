@@ -604,6 +604,51 @@ static PyObject *getter_names[T_COUNT]; /* the interned attribute names, set wit
 static PyObject *getter_descrs[T_COUNT];
 static PyGetSetDef *getters[T_COUNT];
 
+/* The same for methods: t.<method>() is its method descriptor called with t, without PyObject_CallMethod's
+ * lookup of the name through the type's attribute cache and MRO, where torch's method is TensorBase's (the
+ * same object on Tensor and Parameter, not overridden in Python); else the lookup. The write log calls these
+ * ~1,000 times a training step. */
+static PyObject *method_names[M_COUNT];
+static PyObject *method_descrs[M_COUNT]; /* a PyMethodDescr, or NULL where the name is looked up per call */
+
+static int
+set_tensor_methods(void)
+{
+    PyObject **names = method_names;
+    names[M_DATA_PTR] = s_data_ptr;
+    names[M_STORAGE_OFFSET] = s_storage_offset;
+    names[M_ELEMENT_SIZE] = s_element_size;
+    names[M_IS_CONTIGUOUS] = s_is_contiguous;
+    names[M_NUMEL] = s_numel;
+    names[M_STRIDE] = s_stride;
+    names[M_UNTYPED_STORAGE] = s_untyped_storage;
+    for (int i = 0; i < M_COUNT; i++) {
+        Py_CLEAR(method_descrs[i]);
+        PyObject *on_tensor = PyObject_GetAttr(g_tensor_type, names[i]);
+        PyObject *on_parameter = on_tensor == NULL ? NULL : PyObject_GetAttr(g_parameter_type, names[i]);
+        if (on_parameter == NULL) {
+            Py_XDECREF(on_tensor);
+            return -1;
+        }
+        if (on_tensor == on_parameter && PyObject_TypeCheck(on_tensor, &PyMethodDescr_Type))
+            method_descrs[i] = Py_NewRef(on_tensor);
+        Py_DECREF(on_tensor);
+        Py_DECREF(on_parameter);
+    }
+    return 0;
+}
+
+/* t.<method which>(): a new reference, or NULL with an error set. */
+PyObject *
+tensor_call(PyObject *t, int which)
+{
+    PyObject *descr = method_descrs[which];
+    PyTypeObject *type = Py_TYPE(t);
+    if (descr != NULL && (type == (PyTypeObject *)g_tensor_type || type == (PyTypeObject *)g_parameter_type))
+        return PyObject_Vectorcall(descr, &t, 1, NULL);
+    return PyObject_CallMethodNoArgs(t, method_names[which]);
+}
+
 /* Called by configure(), once g_tensor_type and g_parameter_type are set (before any tensor_get). */
 int
 set_tensor_getters(void)
@@ -635,7 +680,7 @@ set_tensor_getters(void)
         Py_DECREF(on_tensor);
         Py_DECREF(on_parameter);
     }
-    return 0;
+    return set_tensor_methods();
 }
 
 /* t.<attribute which>: a new reference, or NULL with an error set. */
@@ -988,12 +1033,28 @@ bytes_of(PyObject *o, PyObject *shape, PyObject *dtype)
         return size < 0 ? -1 : n * size;
     }
     PyObject *ne = PyObject_CallMethodNoArgs(o, s_nelement);
-    PyObject *es = ne == NULL ? NULL : PyObject_CallMethodNoArgs(o, s_element_size);
+    PyObject *es = ne == NULL ? NULL : tensor_call(o, M_ELEMENT_SIZE);
     long long a = ne == NULL ? -1 : PyLong_AsLongLong(ne);
     long long b = es == NULL ? -1 : PyLong_AsLongLong(es);
     Py_XDECREF(ne);
     Py_XDECREF(es);
     return es == NULL || PyErr_Occurred() ? -1 : a * b;
+}
+
+/* name_of(dtype, g_dtype_names, g_dtype_name), remembering the last answer: consecutive ops mostly make one
+ * dtype (dtypes are singletons), and the pointer test spares a dict probe into lines a kernel evicted. */
+static PyObject *
+dtype_name_of(PyObject *dtype)
+{
+    static PyObject *last_dtype, *last_name;
+    if (dtype == last_dtype)
+        return Py_NewRef(last_name);
+    PyObject *name = name_of(dtype, g_dtype_names, g_dtype_name);
+    if (name != NULL) {
+        Py_XSETREF(last_dtype, Py_NewRef(dtype));
+        Py_XSETREF(last_name, Py_NewRef(name));
+    }
+    return name;
 }
 
 /* dtype and device of the first output (outs: a list or a tuple), the bytes of all (out_shapes: their shapes);
@@ -1022,7 +1083,7 @@ describe_outputs(PyObject *outs, PyObject *out_shapes, PyObject *token, PyObject
         PyObject *o_dtype = tensor_get(o, T_DTYPE);
         if (o_dtype == NULL)
             return -1;
-        if (pos == 0 && (*dtype = name_of(o_dtype, g_dtype_names, g_dtype_name)) == NULL) {
+        if (pos == 0 && (*dtype = dtype_name_of(o_dtype)) == NULL) {
             Py_DECREF(o_dtype);
             return -1;
         }

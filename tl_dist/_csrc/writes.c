@@ -9,7 +9,7 @@
 static PyObject *
 storage_of(PyObject *t)
 {
-    PyObject *storage = PyObject_CallMethodNoArgs(t, s_untyped_storage);
+    PyObject *storage = tensor_call(t, M_UNTYPED_STORAGE);
     if (storage == NULL && PyErr_ExceptionMatches(PyExc_NotImplementedError))
         PyErr_Clear();
     return storage;
@@ -129,7 +129,7 @@ in_spans(FastOp *self, PyObject *t)
 {
     if (spans_current(self) < 0)
         return -1;
-    PyObject *value = PyObject_CallMethodNoArgs(t, s_data_ptr);
+    PyObject *value = tensor_call(t, M_DATA_PTR);
     if (value == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
             return -1;
@@ -152,10 +152,10 @@ in_spans(FastOp *self, PyObject *t)
     return lo < self->n_spans && v[lo].lo <= p;
 }
 
+/* *value = r as a C integer; r is a new reference (consumed) or NULL with an error set. */
 static int
-long_of(PyObject *obj, PyObject *method, long long *value)
+long_of(PyObject *r, long long *value)
 {
-    PyObject *r = PyObject_CallMethodNoArgs(obj, method);
     if (r == NULL)
         return -1;
     *value = PyLong_AsLongLong(r);
@@ -168,27 +168,27 @@ static int
 byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi)
 {
     long long offset, itemsize, numel;
-    if (long_of(t, s_storage_offset, &offset) < 0 || long_of(t, s_element_size, &itemsize) < 0)
+    if (long_of(tensor_call(t, M_STORAGE_OFFSET), &offset) < 0 || long_of(tensor_call(t, M_ELEMENT_SIZE), &itemsize) < 0)
         return -1;
-    PyObject *contiguous = PyObject_CallMethodNoArgs(t, s_is_contiguous);
+    PyObject *contiguous = tensor_call(t, M_IS_CONTIGUOUS);
     int dense = contiguous == NULL ? -1 : PyObject_IsTrue(contiguous);
     Py_XDECREF(contiguous);
     if (dense < 0)
         return -1;
     if (dense) {
-        if (long_of(t, s_numel, &numel) < 0)
+        if (long_of(tensor_call(t, M_NUMEL), &numel) < 0)
             return -1;
         *lo = numel ? offset * itemsize : 0;
         *hi = numel ? (offset + numel) * itemsize : 0;
         return 0;
     }
-    PyObject *strides = PyObject_CallMethodNoArgs(t, s_stride);
+    PyObject *strides = tensor_call(t, M_STRIDE);
     if (strides == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) /* a nested tensor: no strides; any byte of it */
             return -1;
         PyErr_Clear();
         *lo = 0;
-        return long_of(storage, s_nbytes, hi);
+        return long_of(PyObject_CallMethodNoArgs(storage, s_nbytes), hi);
     }
     PyObject *shape = tensor_get(t, T_SHAPE);
     PyObject *sizes = shape == NULL ? NULL : PySequence_Fast(shape, "shape");
