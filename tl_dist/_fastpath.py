@@ -92,10 +92,12 @@ def module_hooks() -> tuple[Any, Any] | None:
     (``_csrc/modules.c``), or None where every module call takes the Python hooks (as every op, then, takes
     ``Recorder.on_op``).
 
+    The caller has checked :func:`available` (a window reads it once, in ``Recorder.compiled``).
+
     Example:
-        >>> ModuleTracker(recorder, roots, compiled_hooks=module_hooks())
+        >>> ModuleTracker(recorder, roots, compiled_hooks=module_hooks() if available() else None)
     """
-    if not available():
+    if _fastop is None:
         return None
     return _fastop.module_pre, _fastop.module_post
 
@@ -103,8 +105,9 @@ def module_hooks() -> tuple[Any, Any] | None:
 def compiled_dispatch(recorder: Any, mode: Any) -> Any:
     """A ``__torch_dispatch__`` for ``mode`` that records into ``recorder`` in C, or None if this window needs
     Python. It holds the recorder and only a weak reference to the mode, so the window's objects stay free of
-    reference cycles."""
-    if not available():
+    reference cycles. None also where ``recorder.compiled`` (the window's reading of :func:`available`) is
+    False."""
+    if _fastop is None or not recorder.compiled:
         return None
     hidden_from_dynamo(*_called_from_c(recorder))
     return _fastop.FastOp(recorder, mode)

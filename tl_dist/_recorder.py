@@ -31,7 +31,7 @@ from ._common import (
 from ._common import FIELD_INDEX as _FIELD_INDEX
 from ._common import TAG as _TAG
 from ._common import clone_strided as _clone_strided
-from ._fastpath import module_hooks, rows_to_columns
+from ._fastpath import available, module_hooks, rows_to_columns
 from ._modes import CaptureMode, SubclassMode
 from ._modules import ModuleTracker
 from ._opinfo import OPINFO_CACHE, flop_count, mutated_tensors, op_info
@@ -109,7 +109,9 @@ class Recorder:
         # (_csrc/writes.c, written_spans) is rebuilt when it moves.
         self.writes_generation = 0
         self._label_counts: dict[str, int] = {}
-        self.modules = ModuleTracker(self, roots, compiled_hooks=module_hooks())
+        # TL_DIST_PURE_PYTHON, read once per window (the environment lookup costs ~10 us with cold caches).
+        self.compiled = available()
+        self.modules = ModuleTracker(self, roots, compiled_hooks=module_hooks() if self.compiled else None)
         self._backward_sources: dict[int, str] = {}  # autograd graph task -> where backward() was called
         self.locate = SourceLocator(self.modules) if source else None
         self.params = self.modules.params

@@ -44,6 +44,7 @@ class RecorderState(Protocol):
     seq_floor: int  # the autograd sequence counter when the window opened: lower numbers are not its ops'
     output_of: dict[int, list[str]]  # op index -> modules whose output it produced
     locate: SourceLocator | None
+    compiled: bool  # the window records in C (_fastpath.available() when it opened)
     modules: ModuleState
     comm: CommState
 
