@@ -611,6 +611,23 @@ static PyGetSetDef *getters[T_COUNT];
 static PyObject *method_names[M_COUNT];
 static PyObject *method_descrs[M_COUNT]; /* a PyMethodDescr, or NULL where the name is looked up per call */
 
+/* *descr: torch's attribute `name` where it is one object of `kind` on both Tensor and Parameter (TensorBase's,
+ * not overridden in Python), else NULL. 0, or -1 with an error set. */
+static int
+shared_descr(PyObject *name, PyTypeObject *kind, PyObject **descr)
+{
+    PyObject *on_tensor = PyObject_GetAttr(g_tensor_type, name);
+    PyObject *on_parameter = on_tensor == NULL ? NULL : PyObject_GetAttr(g_parameter_type, name);
+    if (on_parameter == NULL) {
+        Py_XDECREF(on_tensor);
+        return -1;
+    }
+    *descr = on_tensor == on_parameter && PyObject_TypeCheck(on_tensor, kind) ? Py_NewRef(on_tensor) : NULL;
+    Py_DECREF(on_tensor);
+    Py_DECREF(on_parameter);
+    return 0;
+}
+
 static int
 set_tensor_methods(void)
 {
@@ -624,16 +641,8 @@ set_tensor_methods(void)
     names[M_UNTYPED_STORAGE] = s_untyped_storage;
     for (int i = 0; i < M_COUNT; i++) {
         Py_CLEAR(method_descrs[i]);
-        PyObject *on_tensor = PyObject_GetAttr(g_tensor_type, names[i]);
-        PyObject *on_parameter = on_tensor == NULL ? NULL : PyObject_GetAttr(g_parameter_type, names[i]);
-        if (on_parameter == NULL) {
-            Py_XDECREF(on_tensor);
+        if (shared_descr(names[i], &PyMethodDescr_Type, &method_descrs[i]) < 0)
             return -1;
-        }
-        if (on_tensor == on_parameter && PyObject_TypeCheck(on_tensor, &PyMethodDescr_Type))
-            method_descrs[i] = Py_NewRef(on_tensor);
-        Py_DECREF(on_tensor);
-        Py_DECREF(on_parameter);
     }
     return 0;
 }
@@ -664,21 +673,15 @@ set_tensor_getters(void)
     for (int i = 0; i < T_COUNT; i++) {
         getters[i] = NULL;
         Py_CLEAR(getter_descrs[i]);
-        PyObject *on_tensor = PyObject_GetAttr(g_tensor_type, names[i]);
-        PyObject *on_parameter = on_tensor == NULL ? NULL : PyObject_GetAttr(g_parameter_type, names[i]);
-        if (on_parameter == NULL) {
-            Py_XDECREF(on_tensor);
+        PyObject *descr = NULL;
+        if (shared_descr(names[i], &PyGetSetDescr_Type, &descr) < 0)
             return -1;
-        }
-        if (on_tensor == on_parameter && PyObject_TypeCheck(on_tensor, &PyGetSetDescr_Type)) {
-            PyGetSetDef *def = ((PyGetSetDescrObject *)on_tensor)->d_getset;
-            if (def->get != NULL) {
-                getters[i] = def;
-                getter_descrs[i] = Py_NewRef(on_tensor); /* keeps the definition alive */
-            }
-        }
-        Py_DECREF(on_tensor);
-        Py_DECREF(on_parameter);
+        PyGetSetDef *def = descr == NULL ? NULL : ((PyGetSetDescrObject *)descr)->d_getset;
+        if (def != NULL && def->get != NULL) {
+            getters[i] = def;
+            getter_descrs[i] = descr; /* keeps the definition alive */
+        } else
+            Py_XDECREF(descr);
     }
     return set_tensor_methods();
 }
