@@ -38,7 +38,7 @@ PyObject *g_itemsizes;    /* dtype -> its itemsize, filled as dtypes come */
 PyObject *g_tag;          /* "_tl_src": the attribute on tensors and the key in autograd metadata */
 PyObject *s_variable, *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hooks_on, *s_stats_on, *s_grad_fn,
     *s_metadata,
-    *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_nelement, *s_element_size, *s_current, *s_cpu,
+    *s_dtype, *s_device, *s_is_cpu, *s_is_cuda, *s_shape, *s_element_size, *s_current, *s_cpu,
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
@@ -761,7 +761,6 @@ PyInit__fastop(void)
     INTERN(s_is_cpu, "is_cpu");
     INTERN(s_is_cuda, "is_cuda");
     INTERN(s_shape, "shape");
-    INTERN(s_nelement, "nelement");
     INTERN(s_element_size, "element_size");
     INTERN(s_current, "current");
     INTERN(s_cpu, "cpu");

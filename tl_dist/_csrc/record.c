@@ -599,16 +599,19 @@ shapes_of(PyObject *tensors, int fallback)
  * PyObject_GetAttr ends in, without the walk there (the type's attribute cache, the descriptor protocol). With
  * a large kernel between two ops evicting the caches, that walk's cache misses cost more than the getter.
  * Only for plain tensors and Parameters, whose attributes are TensorBase's (a subclass may override one), and
- * only where torch's attribute is a getset descriptor; else PyObject_GetAttr. */
-static PyObject *getter_names[T_COUNT]; /* the interned attribute names, set with the getters */
+ * only where torch's attribute is a getset descriptor; else PyObject_GetAttr. The names are the T_* ones, in
+ * that order. */
+static PyObject **const getter_names[T_COUNT] = {&s_shape, &s_dtype, &s_device, &s_is_cpu, &s_is_cuda, &s_grad_fn,
+                                                 &s_base};
 static PyObject *getter_descrs[T_COUNT];
 static PyGetSetDef *getters[T_COUNT];
 
 /* The same for methods: t.<method>() is its method descriptor called with t, without PyObject_CallMethod's
  * lookup of the name through the type's attribute cache and MRO, where torch's method is TensorBase's (the
  * same object on Tensor and Parameter, not overridden in Python); else the lookup. The write log calls these
- * ~1,000 times a training step. */
-static PyObject *method_names[M_COUNT];
+ * ~1,000 times a training step. The names are the M_* ones, in that order. */
+static PyObject **const method_names[M_COUNT] = {&s_data_ptr, &s_storage_offset, &s_element_size, &s_is_contiguous,
+                                                 &s_numel, &s_stride, &s_untyped_storage};
 static PyObject *method_descrs[M_COUNT]; /* a PyMethodDescr, or NULL where the name is looked up per call */
 
 /* *descr: torch's attribute `name` where it is one object of `kind` on both Tensor and Parameter (TensorBase's,
@@ -631,17 +634,9 @@ shared_descr(PyObject *name, PyTypeObject *kind, PyObject **descr)
 static int
 set_tensor_methods(void)
 {
-    PyObject **names = method_names;
-    names[M_DATA_PTR] = s_data_ptr;
-    names[M_STORAGE_OFFSET] = s_storage_offset;
-    names[M_ELEMENT_SIZE] = s_element_size;
-    names[M_IS_CONTIGUOUS] = s_is_contiguous;
-    names[M_NUMEL] = s_numel;
-    names[M_STRIDE] = s_stride;
-    names[M_UNTYPED_STORAGE] = s_untyped_storage;
     for (int i = 0; i < M_COUNT; i++) {
         Py_CLEAR(method_descrs[i]);
-        if (shared_descr(names[i], &PyMethodDescr_Type, &method_descrs[i]) < 0)
+        if (shared_descr(*method_names[i], &PyMethodDescr_Type, &method_descrs[i]) < 0)
             return -1;
     }
     return 0;
@@ -655,26 +650,18 @@ tensor_call(PyObject *t, int which)
     PyTypeObject *type = Py_TYPE(t);
     if (descr != NULL && (type == (PyTypeObject *)g_tensor_type || type == (PyTypeObject *)g_parameter_type))
         return PyObject_Vectorcall(descr, &t, 1, NULL);
-    return PyObject_CallMethodNoArgs(t, method_names[which]);
+    return PyObject_CallMethodNoArgs(t, *method_names[which]);
 }
 
 /* Called by configure(), once g_tensor_type and g_parameter_type are set (before any tensor_get). */
 int
 set_tensor_getters(void)
 {
-    PyObject **names = getter_names;
-    names[T_SHAPE] = s_shape;
-    names[T_DTYPE] = s_dtype;
-    names[T_DEVICE] = s_device;
-    names[T_IS_CPU] = s_is_cpu;
-    names[T_IS_CUDA] = s_is_cuda;
-    names[T_GRAD_FN] = s_grad_fn;
-    names[T_BASE] = s_base;
     for (int i = 0; i < T_COUNT; i++) {
         getters[i] = NULL;
         Py_CLEAR(getter_descrs[i]);
         PyObject *descr = NULL;
-        if (shared_descr(names[i], &PyGetSetDescr_Type, &descr) < 0)
+        if (shared_descr(*getter_names[i], &PyGetSetDescr_Type, &descr) < 0)
             return -1;
         PyGetSetDef *def = descr == NULL ? NULL : ((PyGetSetDescrObject *)descr)->d_getset;
         if (def != NULL && def->get != NULL) {
@@ -694,7 +681,7 @@ tensor_get(PyObject *t, int which)
     PyTypeObject *type = Py_TYPE(t);
     if (def != NULL && (type == (PyTypeObject *)g_tensor_type || type == (PyTypeObject *)g_parameter_type))
         return def->get(t, def->closure);
-    return PyObject_GetAttr(t, getter_names[which]);
+    return PyObject_GetAttr(t, *getter_names[which]);
 }
 
 /* bool(t.<attribute which>): 1 or 0, -1 with an error set. */
@@ -990,7 +977,7 @@ run_op(FastOp *self, PyObject *entry, PyObject *args, PyObject *kwargs)
 }
 
 /* dtype.itemsize, cached per dtype (g_itemsizes): a tensor's bytes are its shape's product times it, which
- * costs two method calls per output less than nelement() * element_size(). -1 with an error set. */
+ * costs two method calls per output less than numel() * element_size(). -1 with an error set. */
 static long long
 itemsize_of(PyObject *dtype)
 {
@@ -1025,7 +1012,7 @@ numel_of(PyObject *shape)
     return n;
 }
 
-/* The bytes of output o of that dtype: its shape's product times the dtype's itemsize; nelement() *
+/* The bytes of output o of that dtype: its shape's product times the dtype's itemsize; numel() *
  * element_size() where the shape is not plain (a nested tensor's). -1 with an error set. */
 static long long
 bytes_of(PyObject *o, PyObject *shape, PyObject *dtype)
@@ -1035,7 +1022,7 @@ bytes_of(PyObject *o, PyObject *shape, PyObject *dtype)
         long long size = itemsize_of(dtype);
         return size < 0 ? -1 : n * size;
     }
-    PyObject *ne = PyObject_CallMethodNoArgs(o, s_nelement);
+    PyObject *ne = tensor_call(o, M_NUMEL);
     PyObject *es = ne == NULL ? NULL : tensor_call(o, M_ELEMENT_SIZE);
     long long a = ne == NULL ? -1 : PyLong_AsLongLong(ne);
     long long b = es == NULL ? -1 : PyLong_AsLongLong(es);
