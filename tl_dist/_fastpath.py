@@ -19,14 +19,23 @@ Set ``TL_DIST_PURE_PYTHON=1`` to run every op in Python (read when a window open
 
 from __future__ import annotations
 
-import os
+import sys
 import time
 import warnings
 from typing import Any
 
 import torch
 
-from ._common import DEVICE_NAMES, DTYPE_NAMES, TAG, device_name, dtype_name, flat_outputs, shape_of
+from ._common import (
+    DEVICE_NAMES,
+    DTYPE_NAMES,
+    TAG,
+    device_name,
+    dtype_name,
+    environ_get,
+    flat_outputs,
+    shape_of,
+)
 from ._modules import CLASS_FACTS, FLAT_TUPLE_SPECS, LEAF_SPEC, hidden_from_dynamo
 from ._opinfo import flop_count, op_info
 from ._phases import SPECIAL
@@ -54,7 +63,7 @@ def _entry(func: Any) -> tuple | None:
 
 def available() -> bool:
     """Whether the compiled per-op path is built and not switched off by ``TL_DIST_PURE_PYTHON=1``."""
-    return _fastop is not None and os.environ.get(PURE_PYTHON_ENV, "") != "1"
+    return _fastop is not None and environ_get(PURE_PYTHON_ENV) != "1"
 
 
 def rows_to_columns(rows: list[tuple], names: tuple[str, ...], shifted: str, shift: int) -> dict[str, list]:
@@ -109,7 +118,8 @@ def compiled_dispatch(recorder: Any, mode: Any) -> Any:
     False."""
     if _fastop is None or not recorder.compiled:
         return None
-    hidden_from_dynamo(*_called_from_c(recorder))
+    if "torch._dynamo" in sys.modules:  # nothing can be compiled before Dynamo loads (hidden_from_dynamo)
+        hidden_from_dynamo(*_called_from_c(recorder))
     return _fastop.FastOp(recorder, mode)
 
 

@@ -257,7 +257,9 @@ class TrainingState:
         self._output_stats: set[int] = set()  # ops whose output statistics module_out_stats took
         # Collectives whose output statistics wait for the result: op index -> (outputs, read through c10d).
         self.in_flight: dict[int, tuple[list[Tensor], bool]] = {}
-        self.stats_table = empty_columns(STAT_FIELDS)
+        self.stats_table: dict[str, list] | None = (
+            None  # made with the first statistics (Trace: None is empty)
+        )
         self.open = True  # gradient hooks act only while a window (or log_backward) is running
         self._node_handles: list[Any] = []
         # Parameter name -> its .grad at the end of the window's last backward pass (save_grads asks for it).
@@ -279,14 +281,17 @@ class TrainingState:
                 handle.remove()
             self._node_handles = []
 
-    def finish(self) -> dict[str, list]:
-        """Moves the statistics to the host (one transfer) and returns the stats table's columns."""
+    def finish(self) -> dict[str, list] | None:
+        """Moves the statistics to the host (one transfer) and returns the stats table's columns (None while
+        there are none: a Trace reads that as the empty table)."""
         for index in list(self.in_flight):
             self.arrived(index, reader=False)
         rows = self._stat_rows
-        table = self.stats_table
         if not rows:
-            return table
+            return self.stats_table
+        if self.stats_table is None:
+            self.stats_table = empty_columns(STAT_FIELDS)
+        table = self.stats_table
         # One stack per device, then one copy to the host: the only sync of the whole window.
         by_device: dict[torch.device, list[int]] = {}
         values: list[list[float] | None] = [None] * len(rows)
