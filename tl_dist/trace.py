@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_unflatten
 from ._common import FLOAT_DTYPES as _FLOATS
 from ._common import STAT_NAMES as _STAT_NAMES
 from .errors import SchemaError, TlDistError
-from .schema import COLLECTIVE_FIELDS, COMPILED_OP_FIELDS, OP_FIELDS, STAT_FIELDS, empty_columns, field_names
+from .schema import COLLECTIVE_FIELDS, COMPILED_OP_FIELDS, OP_FIELDS, STAT_FIELDS, EmptyUntilSet, field_names
 from .selectors import Selector
 
 Tensor = torch.Tensor
@@ -239,36 +239,13 @@ class PendingColumns(NamedTuple):
     n_ops: int
 
 
-class _EmptyUntilSet:
-    """A table attribute of :class:`Trace` that reads as an empty table of ``fields`` until one is set (None
-    also leaves it empty): most windows have no collectives, statistics or compiled regions, and making their
-    three empty tables at every window's close costs ~30 us with the cold caches a forward leaves."""
-
-    def __init__(self, fields: tuple) -> None:
-        self.fields = fields
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = "_" + name
-
-    def __get__(self, trace: Any, owner: type | None = None) -> Any:
-        if trace is None:
-            return self
-        table = trace.__dict__.get(self.slot)
-        if table is None:
-            table = trace.__dict__[self.slot] = empty_columns(self.fields)
-        return table
-
-    def __set__(self, trace: Any, table: dict[str, list] | None) -> None:
-        trace.__dict__[self.slot] = table
-
-
 class Trace:
     """The ops of one capture, in execution order. Built by ``tl.trace``, ``tl.capture`` or ``tl.load``."""
 
-    collective_table = _EmptyUntilSet(COLLECTIVE_FIELDS)
-    stats_table = _EmptyUntilSet(STAT_FIELDS)
+    collective_table = EmptyUntilSet(COLLECTIVE_FIELDS)
+    stats_table = EmptyUntilSet(STAT_FIELDS)
     # The ATen ops inside each compiled region (kind `compiled` rows), from tl_dist.compiled.
-    compiled_table = _EmptyUntilSet(COMPILED_OP_FIELDS)
+    compiled_table = EmptyUntilSet(COMPILED_OP_FIELDS)
 
     def __init__(
         self,

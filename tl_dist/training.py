@@ -257,9 +257,8 @@ class TrainingState:
         self._output_stats: set[int] = set()  # ops whose output statistics module_out_stats took
         # Collectives whose output statistics wait for the result: op index -> (outputs, read through c10d).
         self.in_flight: dict[int, tuple[list[Tensor], bool]] = {}
-        self.stats_table: dict[str, list] | None = (
-            None  # made with the first statistics (Trace: None is empty)
-        )
+        # Made with the first statistics: a Trace reads None as the empty table.
+        self.stats_table: dict[str, list] | None = None
         self.open = True  # gradient hooks act only while a window (or log_backward) is running
         self._node_handles: list[Any] = []
         # Parameter name -> its .grad at the end of the window's last backward pass (save_grads asks for it).
