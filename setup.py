@@ -9,6 +9,7 @@ SOURCES = [
     "tl_dist/_csrc/record.c",
     "tl_dist/_csrc/columns.c",
     "tl_dist/_csrc/writes.c",
+    "tl_dist/_csrc/saved.c",
     "tl_dist/_csrc/modules.c",
     "tl_dist/_csrc/source.c",
 ]

@@ -655,3 +655,26 @@ def test_rows_become_columns(monkeypatch: pytest.MonkeyPatch, compiled: bool) ->
     }
     with pytest.raises(ValueError, match="3 values"):
         _fastpath.rows_to_columns([(0, "a", 1), (1, "b")], ("index", "label", "start_ns"), "start_ns", 0)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["C", "python"])
+def test_freed_names_the_tensors_whose_memory_was_given_back(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    # FSDP frees an unsharded parameter by resizing its storage to 0 bytes: a view saved earlier then reads no
+    # memory. Resized by hand here; the views of storage still whole, and Nones, are not named.
+    if not compiled:
+        monkeypatch.setattr(_fastpath, "_fastop", None)
+    elif _fastpath._fastop is None:
+        pytest.skip("the C extension is not built")
+    whole = torch.arange(6.0)
+    gone = torch.arange(8.0)
+    view = gone[2:].view(2, 3).t()  # strided: its extent is the last byte of its storage
+    shrunk = torch.arange(4.0)
+    tail = shrunk[2:]
+    gone.untyped_storage().resize_(0)
+    shrunk.untyped_storage().resize_(2 * shrunk.element_size())  # the first two values stay, tail's do not
+    kept = {3: [whole, None, view], 7: [whole[1:], tail], 9: [nn.Parameter(torch.ones(2))]}
+    found = _fastpath.freed(kept)  # not in the assert: printing a freed tensor reads no memory (a crash)
+    assert found == [(3, 2), (7, 1)]
+    assert _fastpath.freed({}) == []

@@ -5,8 +5,10 @@ so an install without a compiler still works and every op takes the Python path)
 ``Recorder.on_op`` for every window without interventions, and per op no tensor subclass, collective, tensor
 list or CUDA kernel. It keeps the in-place write log as ``Recorder._note_writes`` does (``_csrc/writes.c``).
 What it calls back into stays Python: output statistics (``TrainingState.out_stats``), the copies made before
-a write (``Recorder._before_write``) and, in a saving window, the selector and the saving itself
-(``Recorder._save_op``). Every other op runs ``Recorder.on_op``, which stays the reference:
+a write (``Recorder._before_write``) and, in a window that saves by a selector, the selector and the saving
+(``Recorder._save_op``); ``save=True`` keeps each op's outputs and replay record as ``Recorder._save`` does
+(``_csrc/saved.c``), which also checks at close what was saved still has its memory (:func:`freed`). Every
+other op runs ``Recorder.on_op``, which stays the reference:
 ``tests/test_fastop.py`` checks both give the same rows, saved tensors and replay records.
 
 The extension also does the common case of the module tracker's two global hooks (``_csrc/modules.c``: a
@@ -34,6 +36,7 @@ from ._common import (
     dtype_name,
     environ_get,
     flat_outputs,
+    has_its_bytes,
     shape_of,
 )
 from ._modules import CLASS_FACTS, FLAT_TUPLE_SPECS, LEAF_SPEC, hidden_from_dynamo
@@ -94,6 +97,25 @@ def untrack_rows(rows: list[tuple]) -> None:
     """
     if _fastop is not None:
         _fastop.untrack_rows(rows)
+
+
+def freed(kept: dict[int, list]) -> list[tuple[int, int]]:
+    """``(op, position)`` of each tensor in ``kept`` (saved outputs or gradients by op) whose storage no longer
+    holds the bytes it reads (:func:`has_its_bytes`: FSDP freed it), in ``kept``'s order; in C where the
+    extension is built (plain tensors; a wrapper subclass asks ``has_its_bytes``).
+
+    Example:
+        >>> freed({0: [torch.ones(2), None]})
+        []
+    """
+    if _fastop is not None:
+        return _fastop.freed(kept, has_its_bytes)
+    return [
+        (index, pos)
+        for index, outs in kept.items()
+        for pos, t in enumerate(outs)
+        if t is not None and not has_its_bytes(t)
+    ]
 
 
 def module_hooks() -> tuple[Any, Any] | None:

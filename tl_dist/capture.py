@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from . import _session
-from ._common import TAG, environ_get, has_its_bytes, map_local, storage_key, user_stacklevel
-from ._fastpath import untrack_rows
+from ._common import TAG, environ_get, map_local, storage_key, user_stacklevel
+from ._fastpath import freed, untrack_rows
 from ._intervene import Interventions
 from ._modes import CaptureMode
 from ._recorder import ACTIVE, Recorder
@@ -346,17 +346,15 @@ def _first_cuda_device(rec: Recorder) -> str | None:
 
 def _drop_freed(saved: dict[int, list], grads: dict[int, list], rows: list[tuple]) -> None:
     """Forgets saved outputs and gradients whose memory was freed during the window (FSDP's unsharded
-    parameters, :func:`has_its_bytes`): their values are gone, and reading them would crash the process."""
+    parameters, :func:`tl_dist._common.has_its_bytes`): their values are gone, and reading them would crash the process."""
     if not saved and not grads:
         return
     lost = []
     with torch._C._DisableTorchDispatch():
         for kept in (saved, grads):
-            for index, outs in kept.items():
-                for pos, t in enumerate(outs):
-                    if t is not None and not has_its_bytes(t):
-                        outs[pos] = None
-                        lost.append(rows[index][_LABEL])
+            for index, pos in freed(kept):
+                kept[index][pos] = None
+                lost.append(rows[index][_LABEL])
     if lost:
         warnings.warn(
             f"{len(lost)} saved tensor(s) were freed before the window ended and are not kept: "

@@ -4,8 +4,8 @@
  * dtype, phase, module, the row) costs ~48,000 instructions, a third of them bytecode evaluation, spread too
  * thin for any one Python change to matter (docs/telemetry.md, "Cost"). This extension does the same work for
  * the ops a metadata + timing window sees most: no tensor subclass, no collective, no tensor list, no
- * intervention, CPU tensors or a view, outputs not saved. In-place writes and output statistics are left
- * to the recorder's own Python helpers.
+ * intervention, CPU tensors or a view. Outputs saved by a selector, in-place writes and output statistics are
+ * left to the recorder's own Python helpers (saved.c keeps what save=True keeps).
  * Anything else returns to Recorder.on_op, which stays the reference: tests/test_fastop.py checks that
  * both build the same rows. This file: the dispatch, the FastOp type and the module; record.c: the parts
  * of a row.
@@ -42,7 +42,7 @@ PyObject *s_variable, *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
-    *s_sequence_nr, *s_writes_generation;
+    *s_sequence_nr, *s_writes_generation, *s_detach, *s_clone, *s_layout, *s_save_all, *s_keep_graph;
 
 /* The outputs as the list Python's callbacks take: a single output is a tuple (one allocation, from CPython's
  * free list) until one of them needs it. */
@@ -442,14 +442,21 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
     if (rc < 0)
         goto cleanup;
     if (self->saving && n_out > 0) {
-        save_kwargs = outs_as_list(&outs) < 0 ? NULL : kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
-        PyObject *r = save_kwargs == NULL ? NULL
-                                          : PyObject_CallFunctionObjArgs(self->save_op, index, row, outs, func, args,
-                                                                         save_kwargs, tensors, srcs,
-                                                                         pre_write ? pre_write : Py_None, NULL);
-        if (r == NULL)
+        save_kwargs = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+        if (save_kwargs == NULL)
             goto cleanup;
-        Py_DECREF(r);
+        if (self->save_all) {
+            if (save_outputs(self, index, outs, func, args, save_kwargs, tensors, srcs, pre_write) < 0)
+                goto cleanup;
+        } else { /* a selector: Recorder._save_op matches the row (Python), then keeps what it selects */
+            PyObject *r = outs_as_list(&outs) < 0 ? NULL
+                                                  : PyObject_CallFunctionObjArgs(self->save_op, index, row, outs, func,
+                                                                                 args, save_kwargs, tensors, srcs,
+                                                                                 pre_write ? pre_write : Py_None, NULL);
+            if (r == NULL)
+                goto cleanup;
+            Py_DECREF(r);
+        }
     }
     result = Py_NewRef(out);
 
@@ -538,6 +545,18 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     self->save_op = self->saving ? PyObject_GetAttrString(rec, "_save_op") : Py_NewRef(Py_None);
     if (self->save_op == NULL)
         return -1;
+    if (self->saving) {
+        self->save_all = attr_true(rec, s_save_all);
+        self->keep_graph = self->save_all < 0 ? -1 : attr_true(rec, s_keep_graph);
+        self->saved = self->keep_graph < 0 ? NULL : PyObject_GetAttrString(rec, "saved");
+        self->replay_records = self->saved == NULL ? NULL : PyObject_GetAttrString(rec, "replay_records");
+        if (self->replay_records == NULL)
+            return -1;
+        if (!PyDict_Check(self->saved) || !PyDict_Check(self->replay_records)) {
+            PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
+            return -1;
+        }
+    }
     self->node_ops = PyObject_GetAttrString(rec, "node_ops");
     PyObject *floor = self->node_ops == NULL ? NULL : PyObject_GetAttrString(rec, "seq_floor");
     self->seq_floor = floor == NULL ? -1 : PyLong_AsLongLong(floor);
@@ -582,7 +601,7 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(stack_of_address) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(storage_refs) X(save_op) X(before_write) X(node_ops) X(tagged_nodes) X(last_node) X(last_fwd)
+    X(storage_refs) X(save_op) X(saved) X(replay_records) X(before_write) X(node_ops) X(tagged_nodes) X(last_node) X(last_fwd)
 
 static int
 fastop_clear(FastOp *self)
@@ -730,6 +749,9 @@ static PyMethodDef module_methods[] = {
      PyDoc_STR("module_pre(tracker, module) -> bool: ModuleTracker._pre's common case done; False: nothing done.")},
     {"module_post", (PyCFunction)(void (*)(void))module_post, METH_FASTCALL,
      PyDoc_STR("module_post(tracker, module, output) -> bool: ModuleTracker._post's common case done.")},
+    {"freed", fastop_freed, METH_VARARGS,
+     PyDoc_STR("freed(kept, has_its_bytes) -> [(op, position)] of the tensors in kept ({op: [tensor | None]}) whose "
+               "storage no longer holds the bytes they read; has_its_bytes decides for a wrapper subclass.")},
     {"untrack_rows", fastop_untrack_rows, METH_O,
      PyDoc_STR("untrack_rows(rows): a closed window's rows list off the cyclic GC's list (it is in no cycle).")},
     {NULL, NULL, 0, NULL},
@@ -784,6 +806,11 @@ PyInit__fastop(void)
     INTERN(s_stride, "stride");
     INTERN(s_sequence_nr, "_sequence_nr");
     INTERN(s_variable, "variable");
+    INTERN(s_detach, "detach");
+    INTERN(s_clone, "clone");
+    INTERN(s_layout, "layout");
+    INTERN(s_save_all, "save_all");
+    INTERN(s_keep_graph, "keep_graph");
     if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL || (g_flop_memo = PyDict_New()) == NULL)
         return NULL;
     if (init_module_hooks() < 0 || PyType_Ready(&FastOpType) < 0)

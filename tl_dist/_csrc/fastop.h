@@ -28,7 +28,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
-    *s_sequence_nr, *s_writes_generation, *s_variable;
+    *s_sequence_nr, *s_writes_generation, *s_variable, *s_detach, *s_clone, *s_layout, *s_save_all, *s_keep_graph;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SHAPE_FLOPS, E_SIZE };
@@ -72,6 +72,9 @@ typedef struct {
     int stats_on;               /* rec.stats_on: output statistics (TrainingState.out_stats, in Python) */
     int saving;                 /* rec.saving: outputs may be kept (save=True or a selector) */
     PyObject *save_op;          /* rec._save_op: keeps the op's outputs and replay record if selected (Python) */
+    int save_all;               /* rec.save_all: every op's outputs are kept (saved.c keeps them, not save_op) */
+    int keep_graph;             /* rec.keep_graph: kept outputs stay attached to autograd (no detach) */
+    PyObject *saved, *replay_records; /* rec.saved, rec.replay_records (saving windows) */
     PyObject *in_flight, *out_stats, *arrived; /* training's collectives awaiting their statistics */
     PyObject *node_ops;         /* rec.node_ops: autograd node sequence number -> forward op */
     PyObject *tagged_nodes;     /* rec.tagged_nodes: the numbers of nodes tagged in their metadata */
@@ -96,7 +99,8 @@ int set_tensor_getters(void);
 PyObject * tensor_get(PyObject *t, int which);
 int tensor_true(PyObject *t, int which);
 /* Tensor methods called through their method descriptor (record.c, tensor_call). */
-enum { M_DATA_PTR, M_STORAGE_OFFSET, M_ELEMENT_SIZE, M_IS_CONTIGUOUS, M_NUMEL, M_STRIDE, M_UNTYPED_STORAGE, M_COUNT };
+enum { M_DATA_PTR, M_STORAGE_OFFSET, M_ELEMENT_SIZE, M_IS_CONTIGUOUS, M_NUMEL, M_STRIDE, M_UNTYPED_STORAGE, M_DETACH,
+       M_COUNT };
 PyObject * tensor_call(PyObject *t, int which);
 int lookup_attr(PyObject *obj, PyObject *name, PyObject **result);
 PyObject * rec_get(FastOp *self, int which);
@@ -130,6 +134,13 @@ int add_parent(PyObject *parents, PyObject *op);
 int note_writes(FastOp *self, PyObject *index, PyObject *written);
 int add_writer(FastOp *self, PyObject *parents, PyObject *t, long since);
 void clear_spans(FastOp *self);
+PyObject * storage_of(PyObject *t);
+PyObject * storage_address(PyObject *storage, long long *nbytes);
+int byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi);
+/* saved.c: Recorder._save, and the check at close of what was saved (capture._drop_freed). */
+int save_outputs(FastOp *self, PyObject *index, PyObject *outs, PyObject *func, PyObject *args, PyObject *kwargs,
+                 PyObject *tensors, PyObject *srcs, PyObject *pre_write);
+PyObject * fastop_freed(PyObject *module, PyObject *args);
 
 /* modules.c: the common case of the module tracker's global hooks. */
 int init_module_hooks(void);

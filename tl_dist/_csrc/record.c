@@ -611,7 +611,7 @@ static PyGetSetDef *getters[T_COUNT];
  * same object on Tensor and Parameter, not overridden in Python); else the lookup. The write log calls these
  * ~1,000 times a training step. The names are the M_* ones, in that order. */
 static PyObject **const method_names[M_COUNT] = {&s_data_ptr, &s_storage_offset, &s_element_size, &s_is_contiguous,
-                                                 &s_numel, &s_stride, &s_untyped_storage};
+                                                 &s_numel, &s_stride, &s_untyped_storage, &s_detach};
 static PyObject *method_descrs[M_COUNT]; /* a PyMethodDescr, or NULL where the name is looked up per call */
 
 /* *descr: torch's attribute `name` where it is one object of `kind` on both Tensor and Parameter (TensorBase's,

@@ -6,7 +6,7 @@
 #include "fastop.h"
 
 /* t.untyped_storage(), or NULL with no error where it has none (sparse: NotImplementedError). */
-static PyObject *
+PyObject *
 storage_of(PyObject *t)
 {
     PyObject *storage = tensor_call(t, M_UNTYPED_STORAGE);
@@ -17,7 +17,7 @@ storage_of(PyObject *t)
 
 /* _common.storage_address: the storage's address (and *nbytes its size), or NULL with no error when it is empty
  * or has none. */
-static PyObject *
+PyObject *
 storage_address(PyObject *storage, long long *nbytes)
 {
     PyObject *size = PyObject_CallMethodNoArgs(storage, s_nbytes);
@@ -164,7 +164,7 @@ long_of(PyObject *r, long long *value)
 }
 
 /* _common.byte_extent: [*lo, *hi) bytes of its storage t can touch (a superset for strided views). */
-static int
+int
 byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi)
 {
     long long offset, itemsize, numel;
