@@ -56,20 +56,24 @@ class PhaseTracker:
         # One entry per open profiler region: the phase to restore at its exit, or None (not an optimizer's).
         self._regions: list[str | None] = []
         self._seed = -2  # index of the last seed gradient (its detach follows it at once)
-        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # stepped in the window (their state persists)
+        # Stepped in the window (their state persists); a WeakSet from the first step on (one costs ~20 us to
+        # make with cold caches, and most windows step none).
+        self.optimizers: weakref.WeakSet | tuple = ()
         self._handles: list[Any] = []
 
     # -- window -------------------------------------------------------------------------------------------
     def install(self) -> None:
         """Global optimizer step hooks, for the capturing thread only."""
-        rec, thread, optimizers = self.rec, _get_ident(), self.optimizers
+        rec, thread, tracker = self.rec, _get_ident(), self  # the hooks go at uninstall: no cycle stays
         self.thread = thread
 
         def pre(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if _get_ident() != thread:
                 return None
             rec.phase = "optimizer"
-            optimizers.add(optimizer)
+            if not tracker.optimizers:
+                tracker.optimizers = weakref.WeakSet()
+            tracker.optimizers.add(optimizer)
             if rec.locate is not None:  # where step() was called: the source of every op of the step
                 rec.step_source = rec.locate.caller(2)
             return _wrap_closure(rec, args, kwargs)

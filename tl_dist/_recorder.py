@@ -118,7 +118,9 @@ class Recorder:
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
         self.comm = CollectiveLog(self)
-        self.subclass_mode = SubclassMode(self)
+        self._subclass_mode: SubclassMode | None = (
+            None  # made at the first subclass op (most windows have none)
+        )
         # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
         self.pending: tuple[tuple, list[Tensor]] | None = None
         # Forward ops linked to their autograd node by its sequence number (training.py, "backward -> forward").
@@ -212,7 +214,9 @@ class Recorder:
         t0 = _perf_ns()
         try:
             if subclass:
-                with self.subclass_mode:
+                if self._subclass_mode is None:
+                    self._subclass_mode = SubclassMode(self)
+                with self._subclass_mode:
                     out = info.call(*args, **kwargs)
             else:
                 out = info.call(*args, **kwargs)

@@ -28,7 +28,7 @@ from ._modes import CaptureMode
 from ._recorder import ACTIVE, Recorder
 from .compiled import RegionHook, watch_compiles
 from .errors import TlDistError
-from .options import DEFAULT_OPTIONS, CaptureOptions, check_options
+from .options import DEFAULT_OPTIONS, CaptureOptions, check_options, options_of
 from .schema import OP_FIELDS, field_names, module_name
 from .trace import PendingColumns, Trace
 
@@ -57,15 +57,28 @@ def resolve_options(
 def _cpu_setting() -> dict[str, Any]:
     """What CPU timings depend on, for ``summary()``'s caveat (``tl_dist.views.summary.timing_caveat``): torch's
     intra-op threads, the cores this process may run on, and ``OMP_WAIT_POLICY`` ('' when unset)."""
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cpu_cores": _cores(),
+        "omp_wait_policy": environ_get("OMP_WAIT_POLICY"),
+    }
+
+
+_CORES: list[tuple[int, int]] = []  # (pid, cores): read once per process, a fork's child reads its own
+
+
+def _cores() -> int:
+    """The cores this process may run on, as its affinity said at its first window (the system call and the set
+    it returns cost ~15 us a window with cold caches; a job sets its affinity before it starts)."""
+    pid = os.getpid()
+    if _CORES and _CORES[0][0] == pid:
+        return _CORES[0][1]
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity API (macOS, Windows)
         cores = os.cpu_count() or 1
-    return {
-        "torch_threads": torch.get_num_threads(),
-        "cpu_cores": cores,
-        "omp_wait_policy": environ_get("OMP_WAIT_POLICY"),
-    }
+    _CORES[:] = [(pid, cores)]
+    return cores
 
 
 class Capture:
@@ -520,7 +533,7 @@ def trace(
         args = (inputs,)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    opts = CaptureOptions(
+    opts = options_of(
         save=save,
         save_grads=save_grads,
         stats=stats,

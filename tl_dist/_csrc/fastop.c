@@ -16,6 +16,7 @@
  */
 #include "fastop.h"
 
+#include <stddef.h>
 #include <string.h>
 
 /* The objects declared in fastop.h, set by configure() and at import. */
@@ -490,6 +491,68 @@ cleanup:
 
 /* -- the FastOp type ------------------------------------------------------------------------------------ */
 
+/* What a FastOp reads of its recorder once, when the window opens: each attribute of the recorder (or of its
+ * module tracker, training state or phase tracker) and the field it goes to. The names are interned at import
+ * (attr_names): a window opens after a forward has emptied the caches, and making each name's string again
+ * there cost a tenth of opening it. */
+enum { FROM_REC, FROM_MODULES, FROM_TRAINING, FROM_PHASES, FROM_COUNT };
+static const struct {
+    const char *name;
+    int owner;
+    Py_ssize_t field;
+    PyTypeObject *type; /* what the attribute must be, or NULL for any object */
+} attrs[] = {
+    {"on_op", FROM_REC, offsetof(FastOp, on_op), NULL},
+    {"rows", FROM_REC, offsetof(FastOp, rows), &PyList_Type},
+    {"_label_counts", FROM_REC, offsetof(FastOp, label_counts), &PyDict_Type},
+    {"params", FROM_REC, offsetof(FastOp, params), &PyDict_Type},
+    {"_writes", FROM_REC, offsetof(FastOp, writes), &PyDict_Type},
+    {"_backward_sources", FROM_REC, offsetof(FastOp, backward_sources), &PyDict_Type},
+    {"token", FROM_REC, offsetof(FastOp, token), NULL},
+    {"_written_storage", FROM_REC, offsetof(FastOp, written_storage), &PyDict_Type},
+    {"_record_failure", FROM_REC, offsetof(FastOp, record_failure), NULL},
+    {"locate", FROM_REC, offsetof(FastOp, locate), NULL},
+    {"_storage_refs", FROM_REC, offsetof(FastOp, storage_refs), &PyDict_Type},
+    {"_with_written_bases", FROM_REC, offsetof(FastOp, with_written_bases), NULL},
+    {"_before_write", FROM_REC, offsetof(FastOp, before_write), NULL},
+    {"node_ops", FROM_REC, offsetof(FastOp, node_ops), &PyDict_Type},
+    {"tagged_nodes", FROM_REC, offsetof(FastOp, tagged_nodes), &PySet_Type},
+    {"recomputed", FROM_MODULES, offsetof(FastOp, recomputed), NULL},
+    {"stack_of_address", FROM_MODULES, offsetof(FastOp, stack_of_address), &PyDict_Type},
+    {"link_pending", FROM_TRAINING, offsetof(FastOp, link_pending), NULL},
+    {"in_flight", FROM_TRAINING, offsetof(FastOp, in_flight), &PyDict_Type},
+    {"out_stats", FROM_TRAINING, offsetof(FastOp, out_stats), NULL},
+    {"arrived", FROM_TRAINING, offsetof(FastOp, arrived), NULL},
+    {"special", FROM_PHASES, offsetof(FastOp, phase_special), NULL},
+};
+#define N_ATTRS ((int)(sizeof(attrs) / sizeof(attrs[0])))
+static PyObject *attr_names[N_ATTRS];
+/* The recorder's parts (FROM_*, after FROM_REC), the windows' flags and what a saving window adds. */
+static PyObject *s_modules, *s_training, *s_phases, *s_seq_floor, *s_save_op, *s_saved, *s_replay_records;
+
+static int
+intern_attr_names(void)
+{
+    for (int i = 0; i < N_ATTRS; i++)
+        if ((attr_names[i] = PyUnicode_InternFromString(attrs[i].name)) == NULL)
+            return -1;
+    return 0;
+}
+
+/* *field = owner.name, checked against type; 0, or -1 with an error set. */
+static int
+read_attr(PyObject *owner, PyObject *name, PyObject **field, PyTypeObject *type)
+{
+    if ((*field = PyObject_GetAttr(owner, name)) == NULL)
+        return -1;
+    if (type != NULL && !PyObject_TypeCheck(*field, type)) {
+        PyErr_Format(PyExc_TypeError, "tl_dist: FastOp needs a Recorder (its %U is a %s)", name,
+                     Py_TYPE(*field)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
 static int
 fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
 {
@@ -501,99 +564,42 @@ fastop_init(FastOp *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "tl_dist._fastop: configure() was not called (import tl_dist._fastpath)");
         return -1;
     }
-    PyObject *modules = PyObject_GetAttrString(rec, "modules");
-    PyObject *training = modules == NULL ? NULL : PyObject_GetAttrString(rec, "training");
-    PyObject *phases = training == NULL ? NULL : PyObject_GetAttrString(rec, "phases");
-    if (phases == NULL) {
-        Py_XDECREF(modules);
-        Py_XDECREF(training);
-        return -1;
-    }
+    PyObject *phases = NULL;
     self->rec = Py_NewRef(rec);
-    self->mode = PyWeakref_NewRef(mode, NULL);
-    if (self->mode == NULL) {
-        Py_DECREF(modules);
-        Py_DECREF(training);
-        Py_DECREF(phases);
-        return -1;
-    }
-    self->modules = modules;
-    self->training = training;
+    if ((self->mode = PyWeakref_NewRef(mode, NULL)) == NULL || read_attr(rec, s_modules, &self->modules, NULL) < 0 ||
+        read_attr(rec, s_training, &self->training, NULL) < 0 || read_attr(rec, s_phases, &phases, NULL) < 0)
+        goto error;
+    PyObject *owners[FROM_COUNT] = {rec, self->modules, self->training, phases};
+    for (int i = 0; i < N_ATTRS; i++)
+        if (read_attr(owners[attrs[i].owner], attr_names[i], (PyObject **)((char *)self + attrs[i].field),
+                      attrs[i].type) < 0)
+            goto error;
+    Py_CLEAR(phases);
     find_state_slots(self);
-    self->on_op = PyObject_GetAttrString(rec, "on_op");
-    self->rows = PyObject_GetAttrString(rec, "rows");
-    self->label_counts = PyObject_GetAttrString(rec, "_label_counts");
-    self->params = PyObject_GetAttrString(rec, "params");
-    self->writes = PyObject_GetAttrString(rec, "_writes");
-    self->backward_sources = PyObject_GetAttrString(rec, "_backward_sources");
-    self->token = PyObject_GetAttrString(rec, "token");
-    self->written_storage = PyObject_GetAttrString(rec, "_written_storage");
-    self->record_failure = PyObject_GetAttrString(rec, "_record_failure");
-    self->link_pending = PyObject_GetAttrString(training, "link_pending");
-    self->phase_special = PyObject_GetAttrString(phases, "special");
-    self->recomputed = PyObject_GetAttrString(modules, "recomputed");
-    self->stack_of_address = PyObject_GetAttrString(modules, "stack_of_address");
-    self->locate = PyObject_GetAttrString(rec, "locate");
-    self->storage_refs = PyObject_GetAttrString(rec, "_storage_refs");
-    self->with_written_bases = PyObject_GetAttrString(rec, "_with_written_bases");
-    self->before_write = PyObject_GetAttrString(rec, "_before_write");
-    self->hooks_on = attr_true(training, s_hooks_on);
+    self->hooks_on = attr_true(self->training, s_hooks_on);
     self->stats_on = self->hooks_on < 0 ? -1 : attr_true(rec, s_stats_on);
     self->saving = self->stats_on < 0 ? -1 : attr_true(rec, s_saving);
     if (self->saving < 0)
         return -1;
-    self->save_op = self->saving ? PyObject_GetAttrString(rec, "_save_op") : Py_NewRef(Py_None);
-    if (self->save_op == NULL)
-        return -1;
-    if (self->saving) {
+    if (!self->saving) {
+        self->save_op = Py_NewRef(Py_None);
+    } else {
         self->save_all = attr_true(rec, s_save_all);
         self->keep_graph = self->save_all < 0 ? -1 : attr_true(rec, s_keep_graph);
-        self->saved = self->keep_graph < 0 ? NULL : PyObject_GetAttrString(rec, "saved");
-        self->replay_records = self->saved == NULL ? NULL : PyObject_GetAttrString(rec, "replay_records");
-        if (self->replay_records == NULL)
+        if (self->keep_graph < 0 || read_attr(rec, s_save_op, &self->save_op, NULL) < 0 ||
+            read_attr(rec, s_saved, &self->saved, &PyDict_Type) < 0 ||
+            read_attr(rec, s_replay_records, &self->replay_records, &PyDict_Type) < 0)
             return -1;
-        if (!PyDict_Check(self->saved) || !PyDict_Check(self->replay_records)) {
-            PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
-            return -1;
-        }
     }
-    self->node_ops = PyObject_GetAttrString(rec, "node_ops");
-    PyObject *floor = self->node_ops == NULL ? NULL : PyObject_GetAttrString(rec, "seq_floor");
+    PyObject *floor = PyObject_GetAttr(rec, s_seq_floor);
     self->seq_floor = floor == NULL ? -1 : PyLong_AsLongLong(floor);
     Py_XDECREF(floor);
     if (floor == NULL || (self->seq_floor == -1 && PyErr_Occurred()))
         return -1;
-    self->tagged_nodes = PyObject_GetAttrString(rec, "tagged_nodes");
-    if (self->tagged_nodes == NULL)
-        return -1;
-    if (!PyDict_Check(self->node_ops) || !PySet_Check(self->tagged_nodes)) {
-        PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
-        return -1;
-    }
-    self->in_flight = PyObject_GetAttrString(training, "in_flight");
-    self->out_stats = PyObject_GetAttrString(training, "out_stats");
-    self->arrived = PyObject_GetAttrString(training, "arrived");
-    if (self->in_flight == NULL || self->out_stats == NULL || self->arrived == NULL)
-        return -1;
-    if (!PyDict_Check(self->in_flight)) {
-        PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
-        return -1;
-    }
-    Py_DECREF(phases);
-    if (!self->on_op || !self->rows || !self->label_counts || !self->params || !self->writes ||
-        !self->backward_sources || !self->token || !self->written_storage || !self->record_failure ||
-        !self->link_pending || !self->phase_special || !self->recomputed ||
-        !self->stack_of_address ||
-        !self->locate || !self->storage_refs || !self->with_written_bases ||
-        !self->before_write)
-        return -1;
-    if (!PyList_Check(self->rows) || !PyDict_Check(self->label_counts) || !PyDict_Check(self->params) ||
-        !PyDict_Check(self->writes) || !PyDict_Check(self->written_storage) || !PyDict_Check(self->backward_sources) || !PyDict_Check(self->storage_refs) ||
-        !PyDict_Check(self->stack_of_address)) {
-        PyErr_SetString(PyExc_TypeError, "tl_dist: FastOp needs a Recorder");
-        return -1;
-    }
     return 0;
+error:
+    Py_XDECREF(phases);
+    return -1;
 }
 
 /* Every object a FastOp holds: what the GC clears and visits. */
@@ -811,6 +817,15 @@ PyInit__fastop(void)
     INTERN(s_layout, "layout");
     INTERN(s_save_all, "save_all");
     INTERN(s_keep_graph, "keep_graph");
+    INTERN(s_modules, "modules");
+    INTERN(s_training, "training");
+    INTERN(s_phases, "phases");
+    INTERN(s_seq_floor, "seq_floor");
+    INTERN(s_save_op, "_save_op");
+    INTERN(s_saved, "saved");
+    INTERN(s_replay_records, "replay_records");
+    if (intern_attr_names() < 0)
+        return NULL;
     if ((g_labels = PyDict_New()) == NULL || (g_itemsizes = PyDict_New()) == NULL || (g_flop_memo = PyDict_New()) == NULL)
         return NULL;
     if (init_module_hooks() < 0 || PyType_Ready(&FastOpType) < 0)
