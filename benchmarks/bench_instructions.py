@@ -14,11 +14,15 @@ function to another module read 353 fewer per op), so differences under ~0.5% sa
 - instructions per op of each, window / floor and floor / plain as ratios, and (window - floor) per op: what
   tl_dist's own code costs for each op, the number a hot-path change should lower.
 
+``--model mlp`` counts ``tl.trace(save=True)`` of a small MLP's forward instead (``window``), against the floor
+that keeps every output and copies a kept one before an in-place write (``floor``): the half of issue 23's
+target 2 where the window's fixed cost weighs most.
+
 Instructions are not time (cache misses and branch mispredictions are not counted), but on the same model and
 machine fewer instructions for the same work has meant less time. Each valgrind run takes 1-3 minutes (torch's
 import dominates); two run at once.
 
-Run: ``.venv/bin/python benchmarks/bench_instructions.py [--model transformer|resnet] [--steps 10]
+Run: ``.venv/bin/python benchmarks/bench_instructions.py [--model transformer|resnet|wide|mlp] [--steps 10]
 [--modes floor window]``
 (needs ``valgrind``: ``apt-get install valgrind``).
 """
@@ -52,6 +56,9 @@ def worker(mode: str, model_name: str, steps: int) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if model_name == "mlp":
+        _trace_worker(mode, steps)
+        return
     if model_name in ("transformer", "wide"):
         layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
         model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
@@ -67,6 +74,31 @@ def worker(mode: str, model_name: str, steps: int) -> None:
     print(f"ops {len(cap.trace)}", file=sys.stderr)
     del cap
     list(itertools.starmap(_run, [(mode, model, opt, x)] * steps))
+
+
+def _trace_worker(mode: str, calls: int) -> None:
+    """``--model mlp``: ``calls`` forwards of a small MLP (bench_trace.py's, 64 wide: the kernels' share is
+    small) in eval and no_grad: plain; in the floor that keeps every output and copies a kept one before an
+    in-place write (``bench_trace.py``'s last floor); in ``tl.trace(save=True)`` ("window"). A window's fixed
+    cost (opening, closing, the Trace) weighs most here: 11 ops, 8 module calls."""
+    import torch
+    from bench_trace import passthrough_fn, plain_fn, trace_fn
+    from torch import nn
+
+    dims = (64, 64, 64, 64)
+    layers: list[nn.Module] = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model, x = nn.Sequential(*layers, nn.Linear(dims[-1], 10)).eval(), torch.randn(4, dims[0])
+    run = {
+        "plain": plain_fn(model, x),
+        "floor": passthrough_fn(model, x, keep=True, copy=True),
+        "window": trace_fn(model, x, True),
+    }[mode]
+    for _ in range(3):
+        run()
+    print(f"ops {len(trace_fn(model, x, True)())}", file=sys.stderr)
+    list(itertools.starmap(run, [()] * calls))
 
 
 def instructions(mode: str, model_name: str, steps: int) -> tuple[int, int]:
@@ -99,7 +131,7 @@ def instructions(mode: str, model_name: str, steps: int) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("transformer", "resnet", "wide"), default="transformer")
+    parser.add_argument("--model", choices=("transformer", "resnet", "wide", "mlp"), default="transformer")
     parser.add_argument("--steps", type=int, default=10, help="steps between the two runs of each mode")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to count")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -119,9 +151,8 @@ def main() -> None:
     per_step = {
         mode: (counts[(mode, 2 + args.steps)][0] - counts[(mode, 2)][0]) / args.steps for mode in modes
     }
-    print(
-        f"{args.model} training step, {ops} ops; instructions per step (per op), valgrind, {args.steps} steps"
-    )
+    what = "tl.trace(save=True) forward" if args.model == "mlp" else "training step"
+    print(f"{args.model} {what}, {ops} ops; instructions per step (per op), valgrind, {args.steps} steps")
     for mode in modes:
         print(f"  {mode:7s} {per_step[mode] / 1e6:9.2f} M  ({per_step[mode] / ops:8.0f} per op)")
     ratios = [("window", "floor"), ("floor", "plain"), ("window", "plain")]

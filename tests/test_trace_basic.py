@@ -394,3 +394,28 @@ def test_options_of_bools_and_nones_are_one_instance_and_still_checked(small):
         tl.trace(model, x, source=1)
     with pytest.raises(ValueError, match="keep_graph must be a bool, got 0"):
         tl.capture(keep_graph=0)
+
+
+@pytest.mark.parametrize("pure", ["1", "0"], ids=["python", "compiled"])
+def test_saved_outputs_are_the_windows_own_tensors_not_the_users(monkeypatch, pure):
+    # An output that needs no grad is kept without a detach, unless it is one of the op's inputs (an in-place
+    # op returns the tensor it wrote, here the user's): a later change to that tensor's shape (t_) must not
+    # change the saved value's.
+    monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, pure)
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            y = x.mul_(2)
+            return y.sum(0)
+
+    x = torch.ones(2, 3)
+    with torch.no_grad():
+        trace = tl.trace(Scale(), x)
+    x.t_()
+    mul, total = trace["mul__1"].out, trace["sum_1"].out
+    assert mul is not x and mul.shape == (2, 3) and torch.equal(mul, torch.full((2, 3), 2.0))
+    assert torch.equal(total, torch.full((3,), 4.0)) and not total.requires_grad
+    # With grad on, the saved outputs are cut off from the graph (keep_graph=False).
+    w = nn.Linear(3, 2)
+    trace = tl.trace(w, torch.ones(1, 3))
+    assert all(not t.requires_grad and t.grad_fn is None for outs in trace.saved.values() for t in outs)
