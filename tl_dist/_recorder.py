@@ -117,7 +117,7 @@ class Recorder:
         self.params = self.modules.params
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
-        self.comm = CollectiveLog(self)
+        self._comm: CollectiveLog | None = None  # made at the first collective (most windows have none)
         self._subclass_mode: SubclassMode | None = (
             None  # made at the first subclass op (most windows have none)
         )
@@ -133,6 +133,19 @@ class Recorder:
         self.step_source: str | None = None  # where the running optimizer.step() was called
         self.stats_on = stats is not None
         self.clock_offset_ns = time.time_ns() - _perf_ns()
+
+    @property
+    def comm(self) -> CollectiveLog:
+        """The window's collectives (made when first asked for: :attr:`collective_rows` does not make it)."""
+        log = self._comm
+        if log is None:
+            log = self._comm = CollectiveLog(self)
+        return log
+
+    @property
+    def collective_rows(self) -> list:
+        """The collective table's rows so far (none, without making the log, when no collective ran)."""
+        return self._comm.rows if self._comm is not None else []
 
     # -- the hot path -------------------------------------------------------------------------------------
     def on_op(self, func: Any, args: tuple, kwargs: dict, subclass: bool = False) -> Any:

@@ -164,7 +164,8 @@ class Capture:
         recorder = self._recorder
         # The last look at the collectives in flight happens inside the window: a completion first seen while
         # the trace is built would be stamped after the window's end (its span would outlast the step's).
-        recorder.comm.poll()
+        if recorder.collective_rows:
+            recorder.comm.poll()
         end_ns = time.time_ns()
         try:
             if self._interventions is not None:
@@ -251,7 +252,7 @@ class Capture:
         rec = self._recorder
         modules = rec.modules
         # Collectives' completion reads the op table; so does a snapshot, whose window goes on adding rows.
-        lazy = final and not rec.comm.rows
+        lazy = final and not rec.collective_rows
         columns = PendingColumns(rec.columns, len(rec.rows)) if lazy else rec.columns()
         metadata: dict[str, Any] = {
             "grad_enabled": self._grad_enabled,  # at the window's start: replay() runs kernels in this mode
@@ -271,7 +272,7 @@ class Capture:
         trace = Trace(
             columns,
             modules.calls,  # the tracker is done with it: no copy
-            collective_table=rec.comm.columns(columns) if rec.comm.rows else None,
+            collective_table=rec.comm.columns(columns) if rec.collective_rows else None,
             saved=rec.saved,
             replay_records=rec.replay_records,
             output_of={i: tuple(a) for i, a in rec.output_of.items()},
@@ -359,7 +360,8 @@ def _first_cuda_device(rec: Recorder) -> str | None:
 
 def _drop_freed(saved: dict[int, list], grads: dict[int, list], rows: list[tuple]) -> None:
     """Forgets saved outputs and gradients whose memory was freed during the window (FSDP's unsharded
-    parameters, :func:`tl_dist._common.has_its_bytes`): their values are gone, and reading them would crash the process."""
+    parameters, :func:`tl_dist._common.has_its_bytes`): their values are gone, and reading them would crash the
+    process."""
     if not saved and not grads:
         return
     lost = []
