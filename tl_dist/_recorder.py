@@ -118,9 +118,8 @@ class Recorder:
         self.cuda_events: list[tuple[int, Any, Any]] = []
         self.failed_op: dict[str, Any] | None = None
         self._comm: CollectiveLog | None = None  # made at the first collective (most windows have none)
-        self._subclass_mode: SubclassMode | None = (
-            None  # made at the first subclass op (most windows have none)
-        )
+        # Made at the first subclass op (most windows have none).
+        self._subclass_mode: SubclassMode | None = None
         # Training (tl_dist.training): phase hooks, backward links, gradients, statistics.
         self.pending: tuple[tuple, list[Tensor]] | None = None
         # Forward ops linked to their autograd node by its sequence number (training.py, "backward -> forward").
