@@ -398,9 +398,8 @@ def test_options_of_bools_and_nones_are_one_instance_and_still_checked(small):
 
 @pytest.mark.parametrize("pure", ["1", "0"], ids=["python", "compiled"])
 def test_saved_outputs_are_the_windows_own_tensors_not_the_users(monkeypatch, pure):
-    # An output that needs no grad is kept without a detach, unless it is one of the op's inputs (an in-place
-    # op returns the tensor it wrote, here the user's): a later change to that tensor's shape (t_) must not
-    # change the saved value's.
+    # A saved output is detached from the tensor the op returned: an in-place op returns the tensor it wrote,
+    # here the user's, and a later change to that tensor's shape (t_) must not change the saved value's.
     monkeypatch.setenv(_fastpath.PURE_PYTHON_ENV, pure)
 
     class Scale(nn.Module):

@@ -392,13 +392,7 @@ class Recorder:
     ) -> None:
         keep = self.keep_graph
         watch = self.watch
-        # With grad off and no requires_grad=True asked of the op, an output gets no graph to cut off; unless it
-        # is one of the op's inputs (an in-place op's: the user's tensor), it is kept as it is (a detach costs
-        # ~1 us, and a second tensor object). Its own requires_grad cannot say it: autograd sets it after this.
-        as_is = keep or not (_grad_enabled() or kwargs.get("requires_grad") is True)
-        saved = self.saved[index] = [
-            o if as_is and (keep or not any(o is t for t in tensors)) else o.detach() for o in outs
-        ]
+        saved = self.saved[index] = [o if keep else o.detach() for o in outs]
         for pos, o in enumerate(outs):
             if not watch(o, (index, 0, pos)) and o.layout is not _STRIDED:
                 # A sparse output has no one storage to watch for in-place writes: keep a copy of its value.

@@ -43,7 +43,7 @@ PyObject *s_variable, *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
-    *s_sequence_nr, *s_writes_generation, *s_detach, *s_clone, *s_layout, *s_save_all, *s_keep_graph, *s_requires_grad;
+    *s_sequence_nr, *s_writes_generation, *s_detach, *s_clone, *s_layout, *s_save_all, *s_keep_graph;
 
 /* The outputs as the list Python's callbacks take: a single output is a tuple (one allocation, from CPython's
  * free list) until one of them needs it. */
@@ -447,7 +447,7 @@ fastop_call(PyObject *callable, PyObject *call_args, PyObject *call_kwargs)
         if (save_kwargs == NULL)
             goto cleanup;
         if (self->save_all) {
-            if (save_outputs(self, index, outs, func, args, save_kwargs, tensors, srcs, pre_write, grad_on) < 0)
+            if (save_outputs(self, index, outs, func, args, save_kwargs, tensors, srcs, pre_write) < 0)
                 goto cleanup;
         } else { /* a selector: Recorder._save_op matches the row (Python), then keeps what it selects */
             PyObject *r = outs_as_list(&outs) < 0 ? NULL
@@ -817,7 +817,6 @@ PyInit__fastop(void)
     INTERN(s_layout, "layout");
     INTERN(s_save_all, "save_all");
     INTERN(s_keep_graph, "keep_graph");
-    INTERN(s_requires_grad, "requires_grad");
     INTERN(s_modules, "modules");
     INTERN(s_training, "training");
     INTERN(s_phases, "phases");

@@ -28,7 +28,7 @@ extern PyObject *s_pending, *s_n_ops, *s_edits, *s_phase, *s_last_write, *s_hook
     *s_factory, *s_other, *s_view, *s_backward, *s_recompute, *s_empty,
     *s_step_source, *s_optimizer, *s_untyped_storage, *s_nbytes,
     *s_data_ptr, *s_base, *s_itemsize, *s_saving, *s_storage_offset, *s_is_contiguous, *s_numel, *s_stride,
-    *s_sequence_nr, *s_writes_generation, *s_variable, *s_detach, *s_clone, *s_layout, *s_save_all, *s_keep_graph, *s_requires_grad;
+    *s_sequence_nr, *s_writes_generation, *s_variable, *s_detach, *s_clone, *s_layout, *s_save_all, *s_keep_graph;
 
 /* Entry tuple layout, built by _fastpath.make_entry. */
 enum { E_FUNC, E_INFO, E_CALL, E_NAME, E_ATEN, E_KIND, E_FLOPS, E_SPECIAL, E_MUTATES, E_SHAPE_FLOPS, E_SIZE };
@@ -94,7 +94,7 @@ struct place {
 
 int attr_true(PyObject *obj, PyObject *name);
 /* Tensor attributes read through their getset descriptor (record.c, tensor_get). */
-enum { T_SHAPE, T_DTYPE, T_DEVICE, T_IS_CPU, T_IS_CUDA, T_GRAD_FN, T_BASE, T_REQUIRES_GRAD, T_COUNT };
+enum { T_SHAPE, T_DTYPE, T_DEVICE, T_IS_CPU, T_IS_CUDA, T_GRAD_FN, T_BASE, T_COUNT };
 int set_tensor_getters(void);
 PyObject * tensor_get(PyObject *t, int which);
 int tensor_true(PyObject *t, int which);
@@ -139,7 +139,7 @@ PyObject * storage_address(PyObject *storage, long long *nbytes);
 int byte_extent(PyObject *t, PyObject *storage, long long *lo, long long *hi);
 /* saved.c: Recorder._save, and the check at close of what was saved (capture._drop_freed). */
 int save_outputs(FastOp *self, PyObject *index, PyObject *outs, PyObject *func, PyObject *args, PyObject *kwargs,
-                 PyObject *tensors, PyObject *srcs, PyObject *pre_write, int grad_on);
+                 PyObject *tensors, PyObject *srcs, PyObject *pre_write);
 PyObject * fastop_freed(PyObject *module, PyObject *args);
 
 /* modules.c: the common case of the module tracker's global hooks. */

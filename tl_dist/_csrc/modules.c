@@ -33,7 +33,7 @@ static const char *const COLUMN_NAMES[N_COLUMNS] = {
 static PyObject *s_thread, *s_names, *s_wrapper_of, *s_calls, *s_call_counts, *s_current_call, *s_address_stack,
     *s_current_builtin, *s_current_source, *s_current_address, *s_recorder, *s_locate, *s_call_site, *s_stack,
     *s_forward_calls, *s_last_call, *s_stack_of_address, *s_out_trees, *s_module_output, *s_save_selector,
-    *s_training, *s_stats_all, *s_token, *s_node_ops, *s_link_module_output, *s_output_of;
+    *s_training, *s_stats_all, *s_token, *s_requires_grad, *s_node_ops, *s_link_module_output, *s_output_of;
 
 static int
 check_call_columns(PyObject *names)
@@ -591,6 +591,7 @@ init_module_hooks(void)
     INTERN(s_training, "training");
     INTERN(s_stats_all, "stats_all");
     INTERN(s_token, "token");
+    INTERN(s_requires_grad, "requires_grad");
     INTERN(s_node_ops, "node_ops");
     INTERN(s_link_module_output, "link_module_output");
     INTERN(s_output_of, "output_of");

@@ -602,7 +602,7 @@ shapes_of(PyObject *tensors, int fallback)
  * only where torch's attribute is a getset descriptor; else PyObject_GetAttr. The names are the T_* ones, in
  * that order. */
 static PyObject **const getter_names[T_COUNT] = {&s_shape, &s_dtype, &s_device, &s_is_cpu, &s_is_cuda, &s_grad_fn,
-                                                 &s_base, &s_requires_grad};
+                                                 &s_base};
 static PyObject *getter_descrs[T_COUNT];
 static PyGetSetDef *getters[T_COUNT];
 

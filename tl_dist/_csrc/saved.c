@@ -48,21 +48,6 @@ kept(FastOp *self, PyObject *t)
     return self->keep_graph ? Py_NewRef(t) : tensor_call(t, M_DETACH);
 }
 
-/* Recorder._save's rule for an output kept as it is, without a detach (~1 us, and a second tensor object to
- * free with the trace): with grad off (no_grad, inference) and no requires_grad=True asked of the op, an output
- * gets no graph to cut off; unless it is one of the op's inputs (an in-place op's, lift_fresh's: a tensor of
- * the user's, whose metadata the user may change later), it is nobody's but the model's. The dispatcher shows
- * the op's outputs before autograd sets their history, so their own requires_grad cannot say it. */
-static int
-keeps_as_is(PyObject *t, PyObject *tensors, PyObject *kwargs)
-{
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(tensors); k++)
-        if (PyTuple_GET_ITEM(tensors, k) == t)
-            return 0;
-    PyObject *asked = PyDict_GetItemWithError(kwargs, s_requires_grad);
-    return asked == NULL ? (PyErr_Occurred() ? -1 : 1) : asked != Py_True;
-}
-
 /* Whether t is not strided (sparse: no one storage to watch, so its value is copied): 1, 0, -1 with an error. */
 static int
 not_strided(PyObject *t)
@@ -83,7 +68,7 @@ not_strided(PyObject *t)
 
 int
 save_outputs(FastOp *self, PyObject *index, PyObject *outs, PyObject *func, PyObject *args, PyObject *kwargs,
-             PyObject *tensors, PyObject *srcs, PyObject *pre_write, int grad_on)
+             PyObject *tensors, PyObject *srcs, PyObject *pre_write)
 {
     Py_ssize_t n_out = PySequence_Fast_GET_SIZE(outs), n_in = PyTuple_GET_SIZE(tensors);
     PyObject **items = PySequence_Fast_ITEMS(outs);
@@ -91,8 +76,7 @@ save_outputs(FastOp *self, PyObject *index, PyObject *outs, PyObject *func, PyOb
     if (saved == NULL)
         return -1;
     for (Py_ssize_t pos = 0; pos < n_out; pos++) {
-        int fresh = self->keep_graph || grad_on ? 0 : keeps_as_is(items[pos], tensors, kwargs);
-        PyObject *value = fresh < 0 ? NULL : fresh ? Py_NewRef(items[pos]) : kept(self, items[pos]);
+        PyObject *value = kept(self, items[pos]);
         if (value == NULL)
             goto error;
         PyList_SET_ITEM(saved, pos, value);
