@@ -381,11 +381,12 @@ def test_a_pending_table_keeps_the_ops_it_was_made_for() -> None:
 def test_options_of_bools_and_nones_are_one_instance_and_still_checked(small):
     # The options of tl.trace's defaults and of tl.capture(save=True) are made once and shared; one made of the
     # same values compares equal, and a value equal to a bool but not one (1 == True) is still refused.
-    from tl_dist.options import options_of
+    from tl_dist.options import DEFAULT_OPTIONS
 
     model, x = small
-    assert options_of(save=True) is options_of(save=True) == tl.CaptureOptions(save=True)
-    assert tl.capture(save=True).options is options_of(save=True)
+    shared = DEFAULT_OPTIONS.updated(save=True)
+    assert shared is DEFAULT_OPTIONS.updated(save=True) == tl.CaptureOptions(save=True)
+    assert tl.capture(save=True).options is shared
     assert tl.capture(save=True, stats=True).options == tl.CaptureOptions(save=True, stats=True)
     relu = tl.func("relu")
     assert tl.capture(save=relu).options.save is relu

@@ -28,7 +28,7 @@ from ._modes import CaptureMode
 from ._recorder import ACTIVE, Recorder
 from .compiled import RegionHook, watch_compiles
 from .errors import TlDistError
-from .options import DEFAULT_OPTIONS, CaptureOptions, check_options, options_of
+from .options import DEFAULT_OPTIONS, CaptureOptions, check_options
 from .schema import OP_FIELDS, field_names, module_name
 from .trace import PendingColumns, Trace
 
@@ -535,7 +535,7 @@ def trace(
         args = (inputs,)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    opts = options_of(
+    opts = DEFAULT_OPTIONS.updated(
         save=save,
         save_grads=save_grads,
         stats=stats,

@@ -57,50 +57,36 @@ class CaptureOptions:
         return self.save is not None or self.save_grads is not None
 
     def updated(self, **changes: Any) -> CaptureOptions:
-        """A copy with the given options changed; a name that is not an option raises ValueError."""
+        """A copy with the given options changed; a name that is not an option raises ValueError. Options made
+        only of bools and Nones are one shared instance per combination (frozen: every window that asks for
+        them, such as ``tl.trace``'s defaults or ``tl.capture(save=True)``, can use it).
+
+        Example:
+            >>> DEFAULT_OPTIONS.updated(save=True) is DEFAULT_OPTIONS.updated(save=True)
+            True
+        """
         unknown = sorted(set(changes) - set(_NAMES))
         if unknown:
             raise ValueError(f"unknown capture options {unknown}; options: {list(_NAMES)}")
         values = tuple(changes[name] if name in changes else getattr(self, name) for name in _NAMES)
-        return options_of(*values) if _plain(values) else replace(self, **changes)
+        if not _plain(values):
+            return replace(self, **changes)
+        opts = _SHARED.get(values)
+        if opts is None:
+            opts = _SHARED[values] = CaptureOptions(*values)
+        return opts
 
 
 _NAMES = tuple(f.name for f in fields(CaptureOptions))
-# Options made of bools and Nones only, by their values: frozen, so one instance serves every window that asks
-# for them (tl.trace's defaults, `tl.capture(save=True)`); making and checking one costs ~50 us with the
-# caches a forward emptied, as much as a small model's window records.
+# The shared options of bools and Nones, by their values: making and checking one costs ~50 us with the caches
+# a forward emptied, as much as a small model's window records.
 _SHARED: dict[tuple, CaptureOptions] = {}
-
-
 _PLAIN_TYPES = frozenset((bool, type(None)))
 
 
 def _plain(values: tuple) -> bool:
     # By type, not by value: 1 == True, and a window asking for source=1 must be told it is not a bool.
     return _PLAIN_TYPES.issuperset(map(type, values))
-
-
-def options_of(
-    save: Any = None,
-    save_grads: Any = None,
-    stats: Any = None,
-    source: bool = True,
-    keep_graph: bool = False,
-    intervene: Any = None,
-) -> CaptureOptions:
-    """``CaptureOptions(save, save_grads, ...)``, the same instance for the same bools and Nones.
-
-    Example:
-        >>> options_of(save=True) is options_of(save=True) == CaptureOptions(save=True)
-        True
-    """
-    values = (save, save_grads, stats, source, keep_graph, intervene)
-    if not _plain(values):
-        return CaptureOptions(*values)
-    opts = _SHARED.get(values)
-    if opts is None:
-        opts = _SHARED[values] = CaptureOptions(*values)
-    return opts
 
 
 DEFAULT_OPTIONS = CaptureOptions()
