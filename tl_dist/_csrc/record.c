@@ -1,6 +1,6 @@
 /* What one op's row is made of: inputs, outputs and their tags, where the op ran (phase, module, source),
  * the links autograd nodes carry, the in-place write log's checks. Each helper follows the Python rule it
- * names in tl_dist/_recorder.py, tl_dist/training.py or tl_dist/_opinfo.py. */
+ * names in tl_dist/_recorder.py, tl_dist/_kept.py, tl_dist/training.py or tl_dist/_opinfo.py. */
 #include "fastop.h"
 
 #include <string.h>
