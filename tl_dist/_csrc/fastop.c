@@ -607,7 +607,8 @@ error:
     X(rec) X(on_op) X(rows) X(label_counts) X(params) X(writes) X(backward_sources) X(token) X(modules) \
     X(training) X(link_pending) X(written_storage) X(record_failure) X(phase_special) X(recomputed) \
     X(stack_of_address) X(locate) X(mode) X(arrived) X(out_stats) X(in_flight) X(with_written_bases) \
-    X(storage_refs) X(save_op) X(saved) X(replay_records) X(before_write) X(node_ops) X(tagged_nodes) X(last_node) X(last_fwd)
+    X(storage_refs) X(save_op) X(saved) X(replay_records) X(before_write) X(node_ops) X(tagged_nodes) \
+    X(last_node) X(last_fwd)
 
 static int
 fastop_clear(FastOp *self)
