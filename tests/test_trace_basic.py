@@ -378,7 +378,7 @@ def test_a_pending_table_keeps_the_ops_it_was_made_for() -> None:
     assert set(trace.columns) == set(names)
 
 
-def test_options_of_bools_and_nones_are_one_instance_and_still_checked(small):
+def test_options_of_bools_and_nones_are_one_shared_instance_and_still_checked(small):
     # The options of tl.trace's defaults and of tl.capture(save=True) are made once and shared; one made of the
     # same values compares equal, and a value equal to a bool but not one (1 == True) is still refused.
     from tl_dist.options import DEFAULT_OPTIONS
